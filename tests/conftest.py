@@ -1,0 +1,45 @@
+"""Shared fixtures: the zoo models (fp32) and the greedy AR oracle, loaded once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+ORACLE_MAX_TOKENS = 40  # generated tokens per prompt in the exactness tests
+
+
+@pytest.fixture(scope="session")
+def oracle_max_tokens() -> int:
+    return ORACLE_MAX_TOKENS
+
+
+@pytest.fixture(scope="session")
+def zoo_models():
+    from vllm_prove.config import DecodeConfig, Method
+    from vllm_prove.reference.runner import load_models
+
+    return load_models(DecodeConfig(method=Method.PROVE))  # proposer + verifier, fp32
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts() -> list[str]:
+    from vllm_prove.zoo import HELDOUT_PROMPTS
+
+    return [json.loads(line)["prompt"] for line in HELDOUT_PROMPTS.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def ar_oracle(zoo_models, heldout_prompts):
+    """Greedy AR at batch size 1: the ground truth every lossless method must reproduce."""
+    from vllm_prove.config import DecodeConfig, Method
+    from vllm_prove.reference.runner import generate
+
+    cfg = DecodeConfig(method=Method.AR, batch_size=1, max_tokens=ORACLE_MAX_TOKENS)
+    results, _ = generate(cfg, heldout_prompts, zoo_models)
+    return [r.token_ids for r in results]

@@ -1,0 +1,86 @@
+"""The `vllm-prove generate` contract: files in, OUT.jsonl + SUMMARY.json out, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_prove.cli import main
+
+OUT_KEYS = {"index", "prompt", "token_ids", "text", "num_tokens", "cycles", "seconds"}
+SUMMARY_KEYS = {"method", "engine", "num_tokens", "seconds", "tokens_per_s", "cycles", "committed_per_cycle", "passes"}
+
+
+@pytest.fixture
+def prompt_files(tmp_path, heldout_prompts):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(heldout_prompts[:3])))
+    txt = tmp_path / "p.txt"
+    txt.write_text("def main():\n\nimport os\nclass Foo:\n")
+    return jsonl, txt
+
+
+@pytest.mark.parametrize("method", ["ar", "prove-lossless", "prove", "mars", "sd"])
+def test_generate_writes_the_contract(tmp_path, prompt_files, method):
+    jsonl, _ = prompt_files
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    rc = main(["generate", "--engine", "reference", "--method", method, "--prompts", str(jsonl),
+               "--max-tokens", "6", "--batch-size", "2", "--out", str(out), "--summary", str(summary)])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert set(r) == OUT_KEYS and r["num_tokens"] == len(r["token_ids"]) == 6
+    s = json.loads(summary.read_text())
+    assert SUMMARY_KEYS <= set(s) and s["method"] == method and s["num_tokens"] == 18
+
+
+def test_txt_prompts_and_same_tokens_for_lossless_and_ar(tmp_path, prompt_files):
+    _, txt = prompt_files
+    outs = {}
+    for method in ("ar", "prove-lossless"):
+        out = tmp_path / f"{method}.jsonl"
+        assert main(["generate", "--method", method, "--prompts", str(txt), "--max-tokens", "12",
+                     "--out", str(out)]) == 0
+        outs[method] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    assert len(outs["ar"]) == 3 and outs["ar"] == outs["prove-lossless"]
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--theta", "0"], "theta"),
+    (["--block-size", "1"], "block_size"),
+    (["--batch-size", "0"], "batch_size"),
+])
+def test_bad_flags_exit_2_naming_the_field(tmp_path, prompt_files, capsys, args, phrase):
+    jsonl, _ = prompt_files
+    rc = main(["generate", "--method", "prove", "--prompts", str(jsonl), "--max-tokens", "4",
+               "--out", str(tmp_path / "o.jsonl"), *args])
+    assert rc == 2
+    assert phrase in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bad_prompt_file(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    assert main(["generate", "--method", "ar", "--prompts", str(bad), "--max-tokens", "4",
+                 "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "prompt" in capsys.readouterr().err
+
+
+def test_proposer_without_mask_token_is_rejected(tmp_path, zoo_models, capsys):
+    from vllm_prove.zoo import ZOO_DIR
+
+    folder = tmp_path / "nomask"
+    zoo_models.proposer.save_pretrained(folder)
+    zoo_models.tokenizer.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("mask_token_id")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    txt = tmp_path / "p.txt"
+    txt.write_text("import os\n")
+    rc = main(["generate", "--method", "prove-lossless", "--proposer", str(folder), "--prompts", str(txt),
+               "--max-tokens", "4", "--out", str(tmp_path / "o.jsonl")])
+    assert rc == 2 and "mask_token_id" in capsys.readouterr().err
+    assert (ZOO_DIR / "proposer" / "config.json").exists()

@@ -1,0 +1,62 @@
+"""Bad settings fail at once with a message naming the field and the allowed range."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from vllm_prove.config import DecodeConfig, SkipConfig, TrainConfig, load_preset
+
+
+@pytest.mark.parametrize("field,value,phrase", [
+    ("theta", 0.0, "greater than 0"),
+    ("theta", 1.5, "less than or equal to 1"),
+    ("tau", -0.1, "greater than 0"),
+    ("block_size", 1, "greater than or equal to 2"),
+    ("batch_size", 0, "greater than or equal to 1"),
+    ("max_tokens", 0, "greater than or equal to 1"),
+    ("k", 0, "greater than or equal to 1"),
+    ("method", "beam", "'ar', 'sd', 'mars', 'prove' or 'prove-lossless'"),
+    ("gate", "sum", "'product', 'verifier' or 'proposer'"),
+    ("dtype", "float16", "'float32' or 'bfloat16'"),
+    ("mask_token_id", -1, "greater than or equal to 0"),
+])
+def test_decode_config_rejects(field, value, phrase):
+    with pytest.raises(ValidationError) as err:
+        DecodeConfig(**{field: value})
+    text = str(err.value)
+    assert field in text and phrase in text
+
+
+def test_unknown_field_is_rejected():
+    with pytest.raises(ValidationError, match="theat"):
+        DecodeConfig(theat=0.1)
+
+
+def test_skip_and_train_configs_reject():
+    with pytest.raises(ValidationError, match="epsilon"):
+        SkipConfig(epsilon=1.0)
+    with pytest.raises(ValidationError, match="warmup_steps"):
+        TrainConfig(steps=10, warmup_steps=10)
+    with pytest.raises(ValidationError, match="lr"):
+        TrainConfig(lr=0)
+
+
+@pytest.mark.parametrize("name", ["tiny", "paper-32b-3b"])
+def test_presets_validate(name):
+    preset = load_preset(name)
+    DecodeConfig(**preset["decode"])
+    SkipConfig(**preset["skip"])
+    TrainConfig(**preset["train"])
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(ValueError, match="tiny"):
+        load_preset("nope")
+
+
+def test_config_round_trips_json():
+    cfg = DecodeConfig(method="prove", theta=0.05, gate="verifier")
+    assert DecodeConfig(**json.loads(cfg.model_dump_json())) == cfg

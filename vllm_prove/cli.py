@@ -1,0 +1,155 @@
+"""`vllm-prove`: one console command with subcommands (thin: parse, validate, call, print)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pydantic import ValidationError
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["reference"], default="reference")
+    p.add_argument("--preset", help="configs/NAME.json: defaults for the decode settings (flags override)")
+    p.add_argument("--method", required=True, choices=["ar", "sd", "mars", "prove", "prove-lossless"])
+    p.add_argument("--proposer", help="proposer checkpoint folder (default: the zoo's)")
+    p.add_argument("--verifier", help="verifier / SD drafter folder (default: the zoo's)")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--theta", type=float)
+    p.add_argument("--tau", type=float)
+    p.add_argument("--gate", choices=["product", "verifier", "proposer"])
+    p.add_argument("--k", type=int)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--prompts", required=True, help=".jsonl with a `prompt` field, or .txt one per line")
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--batch-size", type=int, help="requests in flight")
+    p.add_argument("--out", required=True, help="OUT.jsonl, one object per prompt")
+    p.add_argument("--summary", help="SUMMARY.json")
+    p.add_argument("--track-ar-match", action="store_true",
+                   help="also record each block's AR-matching prefix (one extra diagnostic proposer pass)")
+
+
+def _decode_config(args):
+    from vllm_prove.config import DecodeConfig
+
+    fields = {"method": args.method, "proposer": args.proposer, "verifier": args.verifier,
+              "block_size": args.block_size, "theta": args.theta, "tau": args.tau, "gate": args.gate,
+              "k": args.k, "dtype": args.dtype, "max_tokens": args.max_tokens, "batch_size": args.batch_size}
+    defaults = {}
+    if args.preset:
+        from vllm_prove.config import load_preset
+
+        defaults = load_preset(args.preset).get("decode", {})
+    return DecodeConfig(**{**defaults, **{k: v for k, v in fields.items() if v is not None}})
+
+
+def cmd_generate(args) -> int:
+    from vllm_prove.prompts import read_prompts
+    from vllm_prove.reference.runner import generate, write_outputs
+
+    cfg = _decode_config(args)
+    prompts = read_prompts(args.prompts)
+    results, summary = generate(cfg, prompts, track_ar_match=args.track_ar_match)
+    write_outputs(results, summary, args.out, args.summary)
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
+    return 0
+
+
+def cmd_zoo(args) -> int:
+    from vllm_prove.zoo import ZOO_DIR
+
+    if args.zoo_cmd == "build":
+        from vllm_prove.zoo.build import build_zoo
+
+        manifest = build_zoo(args.out or ZOO_DIR, scale=args.scale, seed=args.seed)
+        print(json.dumps({k: manifest[k] for k in ("models", "proposer_block_match_rate", "build_seconds")}, indent=2))
+    else:
+        path = ZOO_DIR / "manifest.json"
+        if not path.exists():
+            print(f"no zoo at {ZOO_DIR}: run `vllm-prove zoo build`", file=sys.stderr)
+            return 1
+        print(path.read_text())
+    return 0
+
+
+def cmd_train(args) -> int:
+    from vllm_prove.train.recipes import train_mars, train_verifier
+
+    overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size,
+                                   "seq_len": args.seq_len, "block_size": args.block_size,
+                                   "ar_weight": getattr(args, "ar_weight", None),
+                                   "checkpoint_every": args.checkpoint_every}.items() if v is not None}
+    fn = train_mars if args.train_cmd == "mars" else train_verifier
+    result = fn(model=args.model, data=args.data, out=args.out, resume=args.resume,
+                proposer=getattr(args, "proposer", None), **overrides)
+    print(json.dumps({k: v for k, v in result.items() if k != "history"}))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from vllm_prove.eval.bench import HEADER, run_bench
+    from vllm_prove.prompts import read_prompts
+    from vllm_prove.zoo import HELDOUT_PROMPTS
+
+    prompts = read_prompts(args.prompts or HELDOUT_PROMPTS)[: args.num_prompts]
+    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, engine={args.engine}")
+    print(HEADER)
+    run_bench(prompts, max_tokens=args.max_tokens, batch_sizes=args.batch_sizes, out_dir=args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-prove", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_decode_args(sub.add_parser("generate", help="decode a prompt file"))
+    for name, n, bss in (("bench", 64, [1, 4]), ("demo", 16, [1])):
+        b = sub.add_parser(name, help="side-by-side table of every method on the zoo" if name == "bench"
+                           else "the main job on the embedded zoo: a quick side-by-side table")
+        b.add_argument("--engine", choices=["reference"], default="reference")
+        b.add_argument("--prompts", help="prompt file (default: the zoo's held-out prompts)")
+        b.add_argument("--num-prompts", type=int, default=n)
+        b.add_argument("--max-tokens", type=int, default=64)
+        b.add_argument("--batch-sizes", type=int, nargs="+", default=bss)
+        b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json")
+    zoo = sub.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_cmd", required=True)
+    build = zoo.add_parser("build", help="train the zoo (~30 min on 2 cores)")
+    build.add_argument("--scale", choices=["full", "smoke"], default="full")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--out", help="output folder (default: the packaged zoo)")
+    zoo.add_parser("info", help="print the zoo manifest")
+    train = sub.add_parser("train", help="training recipes").add_subparsers(dest="train_cmd", required=True)
+    for name, text in (("mars", "MARS block training of any HF causal LM"),
+                       ("verifier", "fine-tune a verifier on proposer generations")):
+        t = train.add_parser(name, help=text)
+        t.add_argument("--model", required=True, help="HF checkpoint folder to start from")
+        t.add_argument("--data", required=True, help=".jsonl (prompt/response or text), .txt, or a folder")
+        t.add_argument("--out", required=True, help="output folder (checkpoints go to OUT/checkpoint)")
+        t.add_argument("--resume", action="store_true")
+        for flag, typ in (("--steps", int), ("--lr", float), ("--batch-size", int), ("--seq-len", int),
+                          ("--block-size", int), ("--checkpoint-every", int)):
+            t.add_argument(flag, type=typ)
+        if name == "mars":
+            t.add_argument("--ar-weight", type=float)
+        else:
+            t.add_argument("--proposer", required=True, help="proposer whose generations train the verifier")
+    return parser
+
+
+COMMANDS = {"generate": cmd_generate, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench, "demo": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except ValidationError as err:
+        print(f"vllm-prove {args.cmd}: invalid settings\n{err}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as err:
+        print(f"vllm-prove {args.cmd}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Every setting of the project, as validated data (pydantic).
+
+A bad value fails at once with pydantic's message, which names the field and the allowed
+range (e.g. `theta: Input should be less than or equal to 1`). Named presets live in
+`configs/*.json` and load through `load_preset`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm_prove.core.rules import GateKind
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class Method(str, enum.Enum):
+    """Decoding methods (methods.md §3-5)."""
+
+    AR = "ar"  # greedy, one token per proposer pass
+    SD = "sd"  # small drafter, k serial steps, proposer verifies greedily
+    MARS = "mars"  # proposer-only tau rule, no verifier pass
+    PROVE = "prove"  # proposer + small verifier + gate (lossy)
+    PROVE_LOSSLESS = "prove-lossless"  # proposer verifies itself: greedy AR exactly
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class DecodeConfig(_Strict):
+    """One decoding run."""
+
+    method: Method = Method.PROVE_LOSSLESS
+    """Which decoder to run."""
+    block_size: int = Field(8, ge=2, le=64)
+    """B: tokens proposed per cycle (the zoo's proposer was trained with B = 8)."""
+    theta: float = Field(0.1, gt=0.0, le=1.0)
+    """ProVe gate threshold (paper: 0.10 / 0.05 / 0.01)."""
+    tau: float = Field(0.95, gt=0.0, le=1.0)
+    """MARS confidence threshold (MARS paper: 0.95)."""
+    gate: GateKind = GateKind.PRODUCT
+    """Gate kind used by `method=prove`."""
+    k: int = Field(3, ge=1, le=32)
+    """SD draft length (paper baselines: 3 and 5)."""
+    max_tokens: int = Field(64, ge=1, le=1_000_000)
+    """Generated tokens per request, at most (EOS stops earlier)."""
+    batch_size: int = Field(1, ge=1, le=4096)
+    """Requests in flight."""
+    mask_token_id: int | None = Field(None, ge=0)
+    """Placeholder id; None reads `mask_token_id` from the proposer's config.json."""
+    proposer: str | None = None
+    """Proposer checkpoint folder; None = the zoo's proposer."""
+    verifier: str | None = None
+    """Verifier / SD drafter checkpoint folder; None = the zoo's verifier."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Model dtype; exactness is judged in float32."""
+
+
+class SkipConfig(_Strict):
+    """Verifier skipping (SDD paper, methods.md §7)."""
+
+    k_min: int = Field(6, ge=1)
+    """K_min: shortest prefix worth committing without the verifier."""
+    s_max: int = Field(64, ge=0)
+    """S_max: unverified tokens allowed before a strict round is forced."""
+    eta_b: float = Field(0.5, ge=0.0, le=1.0)
+    """Threshold of the local gate B_k = min_j q_j."""
+    epsilon: float = Field(0.1, gt=0.0, lt=1.0)
+    """Prefix-gate threshold is eta_c = 1 - epsilon."""
+    gamma: int = Field(32, ge=2, le=256)
+    """Draft block length of the diffusion drafter."""
+    steps: int = Field(2, ge=1, le=256)
+    """T: denoising steps per block."""
+
+
+class TrainConfig(_Strict):
+    """One training stage (AR SFT or MARS block training)."""
+
+    objective: Literal["ar", "mars"] = "mars"
+    """`ar`: next-token CE. `mars`: clean + noisy copies, block mask (methods.md §2)."""
+    block_size: int = Field(8, ge=2, le=64)
+    """B of the MARS block mask; must equal the decoding block size."""
+    ar_weight: float = Field(1.0, ge=0.0)
+    """Weight of the clean-copy CE in the MARS loss."""
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    """Peak AdamW learning rate (cosine decay to 10%)."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    warmup_steps: int = Field(50, ge=0)
+    steps: int = Field(1000, ge=1)
+    """Optimizer steps of this stage."""
+    batch_size: int = Field(16, ge=1)
+    seq_len: int = Field(256, ge=4, le=32768)
+    """Tokens per training window (the MARS input is twice this)."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    seed: int = 0
+    checkpoint_every: int = Field(200, ge=1)
+    """Steps between checkpoints (model + optimizer + RNG); `--resume` continues from the last."""
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainConfig":
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        return self
+
+
+def load_preset(name: str) -> dict:
+    """Read `configs/NAME.json` (a dict of sections: decode, skip, train)."""
+    path = CONFIGS_DIR / f"{name}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+        raise ValueError(f"unknown preset {name!r}; known presets: {known}")
+    return json.loads(path.read_text())

@@ -1,0 +1,74 @@
+"""The MARS block-training objective (methods.md §2), for any HF causal LM.
+
+The model reads `2L` tokens: a clean copy of the sequence and a noisy copy in which every
+response token is the mask token. Both copies use position ids `0..L-1`. Attention:
+
+               keys: clean 0..L-1          noisy 0..L-1
+    clean q:   causal                      none
+    noisy q:   blocks strictly before      causal, same block only
+
+with block index = position // B from the sequence start. Labels are right-shifted (the logit
+at `i` predicts the token at `i+1`), response tokens only, and
+`loss = CE(noisy logits) + ar_weight * CE(clean logits)`.
+
+At inference (methods.md §1) the context ends at `t`, masks sit at `t+1..t+B-1`; the output
+at mask `t+j` predicts the token `j+1` places after `t`: in training a noisy query sees
+`n` masks of its block (itself included) and predicts the token `n+1` places after the last
+clean token it sees, so the two layouts agree whatever `t` is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_prove.train.data import TokenBatch
+
+
+def mars_attention_mask(seq_len: int, block_size: int) -> torch.Tensor:
+    """# [2 * seq, 2 * seq] bool, True = may attend. Rows/cols: clean copy, then noisy copy."""
+    pos = torch.arange(seq_len)
+    blk = pos // block_size
+    causal = pos[:, None] >= pos[None, :]  # [seq, seq]
+    same_block = blk[:, None] == blk[None, :]
+    earlier_block = blk[:, None] > blk[None, :]
+    top = torch.cat([causal, torch.zeros_like(causal)], dim=1)
+    bottom = torch.cat([earlier_block, causal & same_block], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+def mars_inputs(batch: TokenBatch, mask_token_id: int, block_size: int) -> dict:
+    """Model kwargs for the `2L` MARS input (clean copy, noisy copy)."""
+    ids = batch.input_ids  # [batch, seq]
+    bsz, seq_len = ids.shape
+    noisy = torch.where(batch.response_mask, torch.full_like(ids, mask_token_id), ids)
+    pos = torch.arange(seq_len, device=ids.device)
+    attn = mars_attention_mask(seq_len, block_size).to(ids.device)
+    return {
+        "input_ids": torch.cat([ids, noisy], dim=1),  # [batch, 2 * seq]
+        "position_ids": torch.cat([pos, pos])[None].expand(bsz, -1),  # [batch, 2 * seq]
+        "attention_mask": attn[None, None].expand(bsz, 1, -1, -1),  # [batch, 1, 2 * seq, 2 * seq]
+    }
+
+
+def shifted_ce(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """Mean CE of `logits[:, i]` against token `i+1`, over response targets only."""
+    # logits: [batch, seq, vocab]
+    target = batch.input_ids[:, 1:]  # [batch, seq - 1]
+    weight = batch.response_mask[:, 1:].float()
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="none")
+    return (ce * weight.flatten()).sum() / weight.sum().clamp(min=1.0)
+
+
+def ar_loss(model, batch: TokenBatch) -> dict:
+    logits = model(input_ids=batch.input_ids).logits  # [batch, seq, vocab]
+    loss = shifted_ce(logits, batch)
+    return {"loss": loss, "ar": loss.detach()}
+
+
+def mars_loss(model, batch: TokenBatch, mask_token_id: int, block_size: int, ar_weight: float = 1.0) -> dict:
+    seq_len = batch.input_ids.shape[1]
+    logits = model(**mars_inputs(batch, mask_token_id, block_size)).logits  # [batch, 2 * seq, vocab]
+    ar = shifted_ce(logits[:, :seq_len], batch)
+    block = shifted_ce(logits[:, seq_len:], batch)
+    return {"loss": block + ar_weight * ar, "ar": ar.detach(), "block": block.detach()}

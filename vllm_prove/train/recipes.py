@@ -1,0 +1,67 @@
+"""`vllm-prove train mars|verifier`: the training recipes on any HF causal LM checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vllm_prove.config import TrainConfig
+from vllm_prove.train.data import load_dataset
+from vllm_prove.train.trainer import train
+from vllm_prove.zoo.tokenizer import MASK_TOKEN
+
+# MARS' own recipe for real checkpoints (methods.md §2): lr 5e-6, max length 512.
+FINETUNE_DEFAULTS = {"lr": 5e-6, "seq_len": 512, "warmup_steps": 20}
+
+
+def _load(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return tok, model
+
+
+def ensure_mask_token(tok, model) -> int:
+    """Give the model a `<|mask|>` placeholder (new embedding row) unless it has one; record
+    `mask_token_id` in its config (the key vLLM's parallel drafting reads too)."""
+    mask_id = getattr(model.config, "mask_token_id", None)
+    if mask_id is None:
+        if tok.mask_token is None:
+            tok.add_special_tokens({"mask_token": MASK_TOKEN})
+        mask_id = tok.mask_token_id
+        if mask_id >= model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tok))
+        model.config.mask_token_id = mask_id
+    return mask_id
+
+
+def train_mars(*, model: str, data: str, out: str, resume: bool = False, proposer=None, **overrides) -> dict:
+    """Stage-2 MARS block training of `model` on `data`; the result is saved in `out`."""
+    tok, lm = _load(model)
+    mask_id = ensure_mask_token(tok, lm)
+    cfg = TrainConfig(**{**FINETUNE_DEFAULTS, **overrides, "objective": "mars"})
+    ds = load_dataset(data, tok, cfg.seq_len)
+    result = train(lm, ds, cfg, mask_token_id=mask_id, out_dir=out, tokenizer=tok, resume=resume, desc="MARS")
+    lm.save_pretrained(out)
+    tok.save_pretrained(out)
+    return result | {"out": str(Path(out)), "mask_token_id": mask_id}
+
+
+def train_verifier(*, model: str, data: str, out: str, proposer: str, resume: bool = False,
+                   max_new_tokens: int = 64, **overrides) -> dict:
+    """Fine-tune verifier `model` on `proposer`'s greedy continuations of the prompts in `data`."""
+    from vllm_prove.prompts import read_prompts
+    from vllm_prove.train.verifier import verifier_dataset
+
+    tok, lm = _load(model)
+    p_tok, p_lm = _load(proposer)
+    if len(p_tok) != len(tok) or p_tok.get_vocab() != tok.get_vocab():
+        raise ValueError("verifier: its tokenizer differs from the proposer's; ProVe needs one vocabulary")
+    cfg = TrainConfig(**{**FINETUNE_DEFAULTS, **overrides, "objective": "ar"})
+    ds = verifier_dataset(p_lm.eval(), tok, read_prompts(data), max_new_tokens, cfg.seq_len)
+    result = train(lm, ds, cfg, out_dir=out, tokenizer=tok, resume=resume, desc="verifier")
+    lm.save_pretrained(out)
+    tok.save_pretrained(out)
+    return result | {"out": str(Path(out))}

@@ -1,0 +1,91 @@
+"""A small, honest training loop: AdamW + cosine schedule, progress bar, checkpoints, resume.
+
+Works for any HF causal LM (the zoo's tiny Qwen2 models or a real Qwen2.5): the objective is
+`ar` (next-token CE) or `mars` (methods.md §2, see `mars.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from vllm_prove.config import TrainConfig
+from vllm_prove.train.mars import ar_loss, mars_loss
+
+_CKPT = "checkpoint"  # sub-folder of out_dir holding the latest resumable state
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _save(model, tokenizer, opt, gen, step: int, out: Path) -> None:
+    ckpt = out / _CKPT
+    model.save_pretrained(ckpt)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(ckpt)
+    torch.save({"step": step, "optimizer": opt.state_dict(), "rng": gen.get_state()}, ckpt / "trainer.pt")
+
+
+def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None, out_dir: str | Path | None = None,
+          tokenizer=None, resume: bool = False, desc: str = "train", log_every: int = 20) -> dict:
+    """Train `model` in place; return `{"step", "loss", "tokens", "seconds", "tokens_per_s", "history"}`."""
+    if cfg.objective == "mars" and mask_token_id is None:
+        raise ValueError("objective 'mars' needs mask_token_id (config.json `mask_token_id` of the model)")
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    out = Path(out_dir) if out_dir is not None else None
+    start = 0
+    if resume and out is not None and (out / _CKPT / "trainer.pt").exists():
+        state = torch.load(out / _CKPT / "trainer.pt", weights_only=False)
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(out / _CKPT / "model.safetensors"), strict=False)
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["rng"])
+        start = state["step"]
+    model.train()
+    history, tokens, t0, loss_val = [], 0, time.perf_counter(), float("nan")
+    bar = tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, mininterval=2.0)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        batch = dataset.sample(cfg.batch_size, gen)
+        if cfg.objective == "mars":
+            parts = mars_loss(model, batch, mask_token_id, cfg.block_size, cfg.ar_weight)
+        else:
+            parts = ar_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        parts["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        tokens += batch.input_ids.numel()
+        loss_val = parts["loss"].item()
+        if step % log_every == 0 or step == cfg.steps - 1:
+            history.append({"step": step, **{k: round(float(v), 4) for k, v in parts.items()}})
+            bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items()})
+        if out is not None and ((step + 1) % cfg.checkpoint_every == 0 or step == cfg.steps - 1):
+            _save(model, tokenizer, opt, gen, step + 1, out)
+    model.eval()
+    seconds = time.perf_counter() - t0
+    return {"step": cfg.steps, "loss": loss_val, "tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "history": history}
+
+
+@torch.no_grad()
+def heldout_loss(model, dataset, num_batches: int = 8, batch_size: int = 8, seed: int = 1234) -> float:
+    """Mean next-token CE on held-out windows (nats/token)."""
+    gen = torch.Generator().manual_seed(seed)
+    model.eval()
+    losses = [ar_loss(model, dataset.sample(batch_size, gen))["ar"].item() for _ in range(num_batches)]
+    return sum(losses) / len(losses)

@@ -1,0 +1,24 @@
+"""Held-out diagnostics recorded in the zoo manifest."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def block_match_rate(model, windows: torch.Tensor, block_size: int, mask_token_id: int) -> list[float]:
+    """Per-position share of the proposed block equal to the model's own greedy AR continuation.
+
+    `windows` # [batch, seq]: contexts. The block comes from one pass over
+    `context + (B-1) masks` (methods.md §1); the reference is B greedy AR steps.
+    """
+    bsz, t = windows.shape
+    masks = torch.full((bsz, block_size - 1), mask_token_id, dtype=torch.long)
+    logits = model(input_ids=torch.cat([windows, masks], dim=1)).logits  # [batch, seq + B - 1, vocab]
+    proposed = logits[:, t - 1 :].argmax(-1)  # [batch, block]
+    seq = windows
+    for _ in range(block_size):
+        nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+        seq = torch.cat([seq, nxt], dim=1)
+    greedy = seq[:, t:]  # [batch, block]
+    return (proposed == greedy).float().mean(0).tolist()

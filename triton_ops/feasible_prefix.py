@@ -3,7 +3,7 @@
 ``K^ = max{k <= n : B_k >= eta_b and C_k >= eta_c}`` (0 if none), with the local gate
 ``B_k = min_{j<=k} q_j`` and the prefix gate ``C_k`` one of: ``min_{j<=k} q_j``, the product
 ``prod_{j<=k} q_j`` compared in log space (``sum log q_j >= log eta_c``), or the geometric
-mean ``exp(sum log q_j / k)``. The twin is ``vllm_prove.core.skip_policy.feasible_prefix``
+mean, also in log space (``sum log q_j / k >= log eta_c``). The twin is ``vllm_prove.core.skip_policy.feasible_prefix``
 (through ``vllm_prove.core.fused.feasible_prefix_ragged``); like it, the kernel works in
 float64, so log-space sums agree with it except exactly on a threshold (the GPU scan adds in
 a different order than the CPU's sequential cumsum).
@@ -14,13 +14,12 @@ prefix log-sums with scans; a NaN score fails the local gate at its position and
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_prove.core.skip_policy import NO_FEASIBLE_PREFIX, PrefixGate
+from vllm_prove.core.skip_policy import NO_FEASIBLE_PREFIX, PrefixGate, prefix_threshold
 
 # Compile-time codes of the prefix gates (a registry, not string dispatch inside the kernel).
 _GATE_MIN = tl.constexpr(0)
@@ -66,7 +65,7 @@ def feasible_prefix_kernel(
         # log 0 = -inf (fails unless eta_c = 0); log of a negative score is NaN (fails).
         prefix = tl.cumsum(tl.log(q), 0)
         if PREFIX_GATE == _GATE_GEOMETRIC_MEAN:
-            prefix = tl.exp(prefix / (pos + 1).to(tl.float64))
+            prefix = prefix / (pos + 1).to(tl.float64)  # log of the geometric mean
     feasible = valid & (local >= eta_b) & (prefix >= eta_c_cmp)
     k_hat = tl.max(tl.where(feasible, pos + 1, _NO_FEASIBLE_PREFIX), axis=0)
     tl.store(k_hat_ptr + req, k_hat)
@@ -90,11 +89,7 @@ def feasible_prefix(
     k_hat = torch.empty(batch, dtype=torch.int64, device=scores.device)  # [batch]
     if batch == 0:
         return k_hat
-    # log(eta_c) on the host with math.log, as the twin does; log 0 = -inf passes any sum.
-    if gate is PrefixGate.PRODUCT:
-        eta_c_cmp = math.log(eta_c) if eta_c > 0 else -math.inf
-    else:
-        eta_c_cmp = eta_c
+    eta_c_cmp = prefix_threshold(gate, eta_c)  # the twin's own threshold, bit for bit
     # A tensor, not Python floats: Triton passes a float argument as float32, and the twin
     # compares float64 scores with float64 thresholds.
     thresholds = torch.tensor([eta_b, eta_c_cmp], dtype=torch.float64).to(scores.device)  # [2]

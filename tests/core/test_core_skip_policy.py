@@ -233,3 +233,16 @@ def test_policy_feasible_prefix_uses_its_config():
 def test_policy_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SkipPolicy(**{field: value})
+
+
+def test_geometric_mean_accepts_an_exact_tie():
+    """A one-token prefix whose score equals eta_c is feasible (exp(log x) < x for some x:
+    the comparison must stay in log space)."""
+    import torch
+
+    from vllm_prove.core.skip_policy import PrefixGate, feasible_prefix
+
+    for x in (0.003, 0.1, 0.3, 0.7, 0.93):
+        scores = torch.tensor([[x, 0.0]], dtype=torch.float64)
+        k = feasible_prefix(scores, torch.tensor([2]), eta_b=0.0, eta_c=x, prefix_gate=PrefixGate.GEOMETRIC_MEAN)
+        assert k.tolist() == [1], x

@@ -60,7 +60,7 @@ def _use_triton(backend: Backend | str, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and _triton_installed()
     if backend is Backend.TRITON and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton_ops "
+            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before Triton "
             f"is imported; got tensors on {tensor.device}"
         )
     return backend is Backend.TRITON

@@ -41,7 +41,7 @@ def _prefix_gate_scores(
     # [batch, block] float
     scores: torch.Tensor,
     gate: PrefixGate,
-) -> torch.Tensor:  # [batch, block]: C_k at index k-1; compare against log(eta_c) if log
+) -> torch.Tensor:  # [batch, block]: C_k at index k-1 (log C_k unless gate is MIN)
     if gate is PrefixGate.MIN:
         return torch.cummin(scores, dim=-1).values
     log_scores = torch.log(scores)  # [batch, block]; log 0 = -inf; log(<0) = NaN, which fails
@@ -49,7 +49,15 @@ def _prefix_gate_scores(
     if gate is PrefixGate.PRODUCT:
         return cum_log
     lengths = torch.arange(1, scores.shape[-1] + 1, device=scores.device)  # [block]
-    return torch.exp(cum_log / lengths)
+    # log of the geometric mean; comparing exp(.) instead would reject exact ties (exp(log x) < x)
+    return cum_log / lengths
+
+
+def prefix_threshold(gate: PrefixGate, eta_c: float) -> float:
+    """What ``C_k`` is compared with: ``eta_c`` for MIN, ``log eta_c`` for the log-space gates."""
+    if gate is PrefixGate.MIN:
+        return eta_c
+    return math.log(eta_c) if eta_c > 0 else -math.inf
 
 
 def feasible_prefix(
@@ -78,9 +86,7 @@ def feasible_prefix(
     block = scores.shape[-1]
     local = torch.cummin(scores, dim=-1).values  # [batch, block]
     prefix = _prefix_gate_scores(scores, gate)  # [batch, block]
-    eta_c_cmp = eta_c
-    if gate is PrefixGate.PRODUCT:
-        eta_c_cmp = math.log(eta_c) if eta_c > 0 else -math.inf
+    eta_c_cmp = prefix_threshold(gate, eta_c)
     positions = torch.arange(block, device=scores.device)  # [block]
     in_range = positions[None, :] < num_draft_tokens[:, None]  # [batch, block]
     feasible = (local >= eta_b) & (prefix >= eta_c_cmp) & in_range  # [batch, block]

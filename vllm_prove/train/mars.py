@@ -66,9 +66,30 @@ def ar_loss(model, batch: TokenBatch) -> dict:
     return {"loss": loss, "ar": loss.detach()}
 
 
+def model_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """The 4D `allowed` mask (True = may attend) in the form `model`'s attention reads.
+
+    HF passes a 4D mask to the attention function untouched: SDPA reads a bool mask as
+    "True = attend", but eager attention *adds* the mask to the scores, so a bool mask there
+    adds 1/0 and masks nothing (the clean copy would silently read the noisy one). Other
+    implementations (flash-attention) cannot take an arbitrary 4D mask at all.
+    """
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == "sdpa":
+        return allowed
+    if impl == "eager":
+        dtype = model.dtype
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"MARS training needs attn_implementation 'sdpa' or 'eager' (a custom 4D attention "
+                     f"mask); the model uses {impl!r}")
+
+
 def mars_loss(model, batch: TokenBatch, mask_token_id: int, block_size: int, ar_weight: float = 1.0) -> dict:
     seq_len = batch.input_ids.shape[1]
-    logits = model(**mars_inputs(batch, mask_token_id, block_size)).logits  # [batch, 2 * seq, vocab]
+    inputs = mars_inputs(batch, mask_token_id, block_size)
+    inputs["attention_mask"] = model_attention_mask(model, inputs["attention_mask"])
+    logits = model(**inputs).logits  # [batch, 2 * seq, vocab]
     ar = shifted_ce(logits[:, :seq_len], batch)
     block = shifted_ce(logits[:, seq_len:], batch)
     return {"loss": block + ar_weight * ar, "ar": ar.detach(), "block": block.detach()}

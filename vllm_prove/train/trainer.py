@@ -31,7 +31,9 @@ def _save(model, tokenizer, opt, gen, step: int, out: Path) -> None:
     model.save_pretrained(ckpt)
     if tokenizer is not None:
         tokenizer.save_pretrained(ckpt)
-    torch.save({"step": step, "optimizer": opt.state_dict(), "rng": gen.get_state()}, ckpt / "trainer.pt")
+    # the global torch RNG drives dropout: without it a resumed run of a model with dropout diverges
+    torch.save({"step": step, "optimizer": opt.state_dict(), "rng": gen.get_state(),
+                "torch_rng": torch.get_rng_state()}, ckpt / "trainer.pt")
 
 
 def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None, out_dir: str | Path | None = None,
@@ -53,6 +55,8 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
         model.load_state_dict(load_file(out / _CKPT / "model.safetensors"), strict=False)
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["rng"])
+        if "torch_rng" in state:  # absent from checkpoints written before it was saved
+            torch.set_rng_state(state["torch_rng"])
         start = state["step"]
     model.train()
     history, tokens, t0, loss_val = [], 0, time.perf_counter(), float("nan")
@@ -72,8 +76,8 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
         tokens += batch.input_ids.numel()
         loss_val = parts["loss"].item()
         if step % log_every == 0 or step == cfg.steps - 1:
-            history.append({"step": step, **{k: round(float(v), 4) for k, v in parts.items()}})
-            bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items()})
+            history.append({"step": step, **{k: round(v.item(), 4) for k, v in parts.items()}})
+            bar.set_postfix({k: f"{v.item():.3f}" for k, v in parts.items()})
         if out is not None and ((step + 1) % cfg.checkpoint_every == 0 or step == cfg.steps - 1):
             _save(model, tokenizer, opt, gen, step + 1, out)
     model.eval()

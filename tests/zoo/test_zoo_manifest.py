@@ -1,0 +1,74 @@
+"""The shipped zoo is what its manifest says, and the build recipe runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_prove.zoo import HELDOUT_PROMPTS, ZOO_DIR
+from vllm_prove.zoo.corpus import CorpusFile, load_corpus, split
+
+MAX_ZOO_BYTES = 40 * 2**20
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict:
+    return json.loads((ZOO_DIR / "manifest.json").read_text())
+
+
+def test_manifest_records_the_recipe(manifest):
+    assert manifest["command"].startswith("vllm-prove zoo build")
+    assert {"python_version", "sha256", "num_train_files", "num_heldout_files"} <= set(manifest["corpus"])
+    assert len(manifest["proposer_block_match_rate"]) == manifest["block_size"]
+    assert manifest["proposer_block_match_rate"][0] == 1.0  # y_1 is the AR head's own token
+    for role in ("proposer", "verifier"):
+        m = manifest["models"][role]
+        assert m["heldout_loss"] > 0 and m["dtype"] == "bfloat16"
+
+
+def test_weights_are_small_bf16_qwen2_with_a_mask_token(manifest):
+    from safetensors import safe_open
+
+    total = sum(p.stat().st_size for p in ZOO_DIR.rglob("*") if p.is_file())
+    assert total <= MAX_ZOO_BYTES
+    for role in ("proposer", "verifier"):
+        cfg = json.loads((ZOO_DIR / role / "config.json").read_text())
+        assert cfg["model_type"] == "qwen2" and cfg["mask_token_id"] == manifest["tokenizer"]["mask_token_id"]
+        with safe_open(ZOO_DIR / role / "model.safetensors", "pt") as f:
+            assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())
+    if manifest["scale"] == "full":
+        assert 5e6 <= manifest["models"]["proposer"]["params"] <= 10e6
+        assert 0.5e6 <= manifest["models"]["verifier"]["params"] <= 1.5e6
+
+
+def test_heldout_prompts_come_from_heldout_files(manifest):
+    rows = [json.loads(line) for line in HELDOUT_PROMPTS.read_text().splitlines()]
+    assert len(rows) >= 50
+    for row in rows:
+        relpath = row["source"].rsplit(":", 1)[0]
+        assert CorpusFile(relpath, "").heldout, f"{relpath} is a training file"
+
+
+def test_split_is_by_file_and_deterministic():
+    files = load_corpus()
+    train, heldout = split(files)
+    assert {f.relpath for f in train}.isdisjoint({f.relpath for f in heldout})
+    assert len(heldout) > 10 and len(train) > 5 * len(heldout)
+    assert [f.relpath for f in split(load_corpus())[1]] == [f.relpath for f in heldout]
+
+
+def test_smoke_build_runs_the_whole_recipe(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_prove.zoo.build import build_zoo
+
+    out = tmp_path / "models"
+    manifest = build_zoo(out, scale="smoke")
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    for role in ("proposer", "verifier"):
+        model = AutoModelForCausalLM.from_pretrained(out / role)
+        tok = AutoTokenizer.from_pretrained(out / role)
+        assert model.config.mask_token_id == tok.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
+    assert not (tmp_path / "models.work").exists()

@@ -24,13 +24,13 @@ MAX_STRIDE = 7
 
 
 def tiny_qwen2(*, hidden: int = 64, layers: int = 2, seed: int = 0, attn: str = "sdpa",
-               attention_dropout: float = 0.0) -> Qwen2ForCausalLM:
+               attention_dropout: float = 0.0, initializer_range: float = 0.02) -> Qwen2ForCausalLM:
     """A from-scratch Qwen2 over the counting vocabulary (head_dim 32, tied embeddings)."""
     cfg = Qwen2Config(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=hidden // 32,
                       num_key_value_heads=hidden // 32, head_dim=32, max_position_embeddings=64,
                       rope_theta=10000.0, tie_word_embeddings=True, attention_dropout=attention_dropout,
-                      attn_implementation=attn)
+                      initializer_range=initializer_range, attn_implementation=attn)
     cfg.mask_token_id = MASK_TOKEN_ID
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg)

@@ -24,13 +24,14 @@ class StreamDataset:
     """Random `seq_len` windows from one long token stream (documents joined by EOS)."""
 
     def __init__(self, token_ids: torch.Tensor, seq_len: int):
-        if token_ids.numel() <= seq_len:
+        if token_ids.numel() < seq_len:
             raise ValueError(f"stream of {token_ids.numel()} tokens is shorter than seq_len={seq_len}")
         self.token_ids = token_ids  # [num_tokens]
         self.seq_len = seq_len
 
     def sample(self, batch_size: int, gen: torch.Generator) -> TokenBatch:
-        starts = torch.randint(0, self.token_ids.numel() - self.seq_len, (batch_size,), generator=gen)
+        # every start 0..N-seq_len (randint's high is exclusive): the stream's last token is a target too
+        starts = torch.randint(0, self.token_ids.numel() - self.seq_len + 1, (batch_size,), generator=gen)
         idx = starts[:, None] + torch.arange(self.seq_len)[None, :]  # [batch, seq]
         ids = self.token_ids[idx]
         return TokenBatch(ids, torch.ones_like(ids, dtype=torch.bool))

@@ -74,6 +74,7 @@ def model_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     adds 1/0 and masks nothing (the clean copy would silently read the noisy one). Other
     implementations (flash-attention) cannot take an arbitrary 4D mask at all.
     """
+    # allowed: [batch, 1, 2 * seq, 2 * seq] bool; returns the same shape, bool or model dtype
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == "sdpa":
         return allowed

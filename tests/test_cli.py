@@ -84,3 +84,18 @@ def test_proposer_without_mask_token_is_rejected(tmp_path, zoo_models, capsys):
                "--max-tokens", "4", "--out", str(tmp_path / "o.jsonl")])
     assert rc == 2 and "mask_token_id" in capsys.readouterr().err
     assert (ZOO_DIR / "proposer" / "config.json").exists()
+
+
+def test_verifier_with_another_vocabulary_is_rejected(tmp_path, capsys):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    other = tmp_path / "other_vocab"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=1, num_key_value_heads=1, head_dim=64)).save_pretrained(other)
+    txt = tmp_path / "p.txt"
+    txt.write_text("import os\n")
+    rc = main(["generate", "--method", "prove", "--verifier", str(other), "--prompts", str(txt),
+               "--max-tokens", "4", "--out", str(tmp_path / "o.jsonl")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "verifier" in err and "vocabulary" in err

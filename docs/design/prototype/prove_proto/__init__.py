@@ -1,0 +1,1 @@
+"""Prototype of vllm_prove.engine (lives only under /tmp/proto)."""

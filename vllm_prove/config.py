@@ -116,3 +116,64 @@ def load_preset(name: str) -> dict:
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
         raise ValueError(f"unknown preset {name!r}; known presets: {known}")
     return json.loads(path.read_text())
+
+
+class EngineMode(str, enum.Enum):
+    """ProVe modes inside vLLM's V1 engine (`additional_config["prove"]["mode"]`)."""
+
+    LOSSLESS = "lossless"  # methods.md §4: mask pass over the served model's own KV, vLLM verifies
+    VERIFIER = "verifier"  # methods.md §3: a small verifier scores the block, a gate commits
+    MARS = "mars"  # methods.md §5: the tau rule, no verifier pass
+
+    @property
+    def gated(self) -> bool:
+        """Whether a ProVe gate (not vLLM's rejection sampler) decides what is committed."""
+        return self is not EngineMode.LOSSLESS
+
+
+_DECODE_FIELDS = DecodeConfig.model_fields  # shared field definitions: one place for each range
+
+
+class ProveEngineConfig(_Strict):
+    """`additional_config["prove"]` of a vLLM engine (`vllm_prove.engine`), validated at start-up.
+
+    The served model is always the proposer. vLLM's `num_speculative_tokens` follows from the
+    block size: `B` in lossless mode (the mask pass drafts y_1..y_B, vLLM verifies them),
+    `B - 1` mask placeholders in the gated modes (the window pass proposes y_1..y_B).
+    """
+
+    mode: EngineMode = EngineMode.LOSSLESS
+    """Which ProVe mode the engine runs."""
+    block_size: int = _DECODE_FIELDS["block_size"]
+    """B: tokens proposed per cycle (the zoo's proposer was trained with B = 8)."""
+    theta: float = _DECODE_FIELDS["theta"]
+    """Gate threshold of the verifier gates (`mode=verifier`)."""
+    tau: float = _DECODE_FIELDS["tau"]
+    """Threshold of the proposer-only gate (`mode=mars`, or `gate=proposer`)."""
+    gate: GateKind = _DECODE_FIELDS["gate"]
+    """Gate of `mode=verifier`; `mode=mars` always uses the proposer-only gate."""
+    verifier: str | None = _DECODE_FIELDS["verifier"]
+    """Verifier checkpoint folder (`mode=verifier`); None = speculative_config["model"]."""
+    mask_token_id: int | None = _DECODE_FIELDS["mask_token_id"]
+    """Placeholder id; None reads `mask_token_id` from the served model's config.json."""
+
+    @model_validator(mode="after")
+    def _verifier_only_in_verifier_mode(self) -> "ProveEngineConfig":
+        if self.verifier is not None and self.mode is not EngineMode.VERIFIER:
+            raise ValueError(f"verifier: only mode='verifier' reads a verifier, got mode={self.mode.value!r}")
+        return self
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """vLLM's `num_speculative_tokens` for this mode and block size."""
+        return self.block_size if self.mode is EngineMode.LOSSLESS else self.block_size - 1
+
+    @property
+    def threshold(self) -> float:
+        """The gated modes' threshold: tau for the proposer-only gate, theta otherwise."""
+        return self.tau if self.gate_kind is GateKind.PROPOSER else self.theta
+
+    @property
+    def gate_kind(self) -> GateKind:
+        """The gate a gated mode applies (MARS is the proposer-only gate, methods.md §5)."""
+        return GateKind.PROPOSER if self.mode is EngineMode.MARS else self.gate

@@ -72,3 +72,18 @@ def test_smoke_build_runs_the_whole_recipe(tmp_path):
         tok = AutoTokenizer.from_pretrained(out / role)
         assert model.config.mask_token_id == tok.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
     assert not (tmp_path / "models.work").exists()
+
+
+def test_loaded_tokenizer_tokenizes_like_the_trained_pipeline():
+    """transformers rebuilds Qwen2 tokenizers with its own pre-tokenizer; the zoo's tokenizer.json
+    must already be that pipeline, or the models would be served other tokens than they learned."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    _, heldout = split(load_corpus())
+    text = "".join(f.text[:5000] for f in heldout[:6]) + "naïve café ｆｕｌｌ\r\n\t  x = 1_000\n"
+    for role in ("proposer", "verifier"):
+        raw = Tokenizer.from_file(str(ZOO_DIR / role / "tokenizer.json"))
+        loaded = AutoTokenizer.from_pretrained(ZOO_DIR / role)
+        assert loaded(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids
+        assert loaded.mask_token_id == json.loads((ZOO_DIR / role / "config.json").read_text())["mask_token_id"]

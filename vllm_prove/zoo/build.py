@@ -43,7 +43,7 @@ ARCH = {  # Qwen2 shapes; head_dim 64 is one the CPU and CUDA attention backends
 }
 
 SCALES = {  # optimizer steps per stage; `smoke` exercises the whole recipe in ~1 minute
-    "full": dict(verifier_ar=800, proposer_ar=400, proposer_mars=170, verifier_ft=120, gen_prompts=256),
+    "full": dict(verifier_ar=800, proposer_ar=300, proposer_mars=250, verifier_ft=120, gen_prompts=512),
     "smoke": dict(verifier_ar=4, proposer_ar=4, proposer_mars=4, verifier_ft=3, gen_prompts=8),
 }
 
@@ -68,6 +68,18 @@ def save_bf16(model, tokenizer, out: Path) -> None:
     model.to(torch.float32)
     for p in model.parameters():  # run evaluation on what was shipped
         p.data = p.data.to(torch.bfloat16).to(torch.float32)
+
+
+def check_tokenizer_roundtrip(folder: Path, trained, text: str) -> None:
+    """The tokenizer every loader builds from `folder` must tokenize exactly like the one the
+    models were trained with (transformers rebuilds Qwen2 tokenizers: see zoo/tokenizer.py)."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(folder)
+    ours, theirs = trained(text)["input_ids"], loaded(text)["input_ids"]
+    if ours != theirs:
+        raise RuntimeError(f"{folder}: AutoTokenizer ({type(loaded).__name__}) tokenizes differently from "
+                           "the trained tokenizer; the models would see other tokens than in training")
 
 
 def _stage(cfg_kwargs: dict, steps: int) -> TrainConfig:
@@ -101,6 +113,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
                                  steps["proposer_mars"]), mask_token_id=tok.mask_token_id,
                                  out_dir=work / "proposer_mars", desc="proposer MARS", resume=resume)
     save_bf16(proposer, tok, out_dir / "proposer")
+    check_tokenizer_roundtrip(out_dir / "proposer", tok, heldout_files[0].text[:20000])
 
     gen_prompts = [f.text[:400] for f in train_files][: steps["gen_prompts"]]
     ft_ds = verifier_dataset(proposer, tok, gen_prompts, max_new_tokens=64, seq_len=160)

@@ -4,17 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The Qwen2 pre-tokenizer, exactly: transformers >= 5 loads any `model_type: qwen2` checkpoint's
+# tokenizer as `Qwen2Tokenizer`, which rebuilds the pipeline with NFC + this split regex +
+# byte-level (transformers/models/qwen2/tokenization_qwen2.py). Training with the same pipeline
+# makes the tokens the models were trained on the tokens every loader (HF, vLLM) produces.
+QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                     r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"  # the MARS placeholder; its id goes to config.json as `mask_token_id`
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     """Train a byte-level BPE on `texts`; return the `PreTrainedTokenizerFast` saved in `out_dir`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

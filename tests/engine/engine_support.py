@@ -1,0 +1,169 @@
+"""Shared pieces of the engine tests: environment, engine lifetimes, request cases, oracles.
+
+Engines are expensive (~20 s and ~2 GB each on the CPU) and the machine is shared, so at
+most one is alive at a time: each test module starts its engine in a module fixture, runs
+every scenario it needs, and shuts it down (``engine``). Comparisons use vLLM's own greedy
+decoding (lossless) or the transformers reference decoders (gated modes) as oracles; a
+divergence is accepted only at a proven near-tie (``explain_divergence``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Before vLLM is imported anywhere in the session (the worker processes inherit these).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+ZOO = Path(__file__).resolve().parents[2] / "vllm_prove" / "zoo" / "models"
+PROPOSER = str(ZOO / "proposer")
+VERIFIER = str(ZOO / "verifier")
+BLOCK_SIZE = 8  # B: the zoo's proposer was trained with B = 8
+THETA = 0.1  # the issue's verifier-mode threshold
+TAU = 0.3  # MARS: the zoo proposer's mask confidences rarely reach 0.95; 0.3 commits blocks
+NEAR_TIE = 1e-4  # a divergence is tolerated only below this logit gap / gate margin
+IN_FLIGHT = 16
+
+# One engine configuration for every mode, chosen to exercise vLLM's hard paths at once:
+# chunked prefill (budget 128 < the longest prompts), prefix caching (32-token KV blocks,
+# prompts sharing long prefixes) and KV pressure (16 blocks: 16 requests in flight preempt,
+# a single one never does).
+ENGINE_KWARGS = dict(
+    model=PROPOSER, dtype="float32", enforce_eager=True, seed=0, max_model_len=384, block_size=32,
+    max_num_seqs=IN_FLIGHT, max_num_batched_tokens=128, enable_chunked_prefill=True,
+    enable_prefix_caching=True, num_gpu_blocks_override=16, disable_log_stats=False,
+)
+# Per-request spec-decode metrics (vLLM refuses the flag without speculative decoding).
+PER_REQUEST_METRICS = dict(per_request_spec_decode_metrics="summary")
+
+
+def prove_config(mode: str, **overrides) -> dict:
+    """``additional_config`` for a mode with the test's settings."""
+    settings = {"mode": mode, "block_size": BLOCK_SIZE}
+    settings |= {"verifier": {"verifier": VERIFIER, "theta": THETA}, "mars": {"tau": TAU}}.get(mode, {})
+    return {"prove": settings | overrides}
+
+
+def prove_engine_kwargs(mode: str, **overrides) -> dict:
+    """Engine kwargs of a ProVe mode: only ``additional_config`` (the plugin does the rest)."""
+    return {"additional_config": prove_config(mode, **overrides)} | PER_REQUEST_METRICS
+
+
+@contextlib.contextmanager
+def engine(**kwargs):
+    """A vLLM engine with ``ENGINE_KWARGS`` updated by ``kwargs``, shut down on exit."""
+    from vllm import LLM
+
+    llm = LLM(**(ENGINE_KWARGS | kwargs))
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def heldout_prompts() -> list[str]:
+    return [json.loads(line)["prompt"] for line in (ZOO / "heldout_prompts.jsonl").read_text().splitlines()]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request: a prompt and the limits that end it."""
+
+    prompt: str
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def sampling_params(self, **kwargs):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, stop=list(self.stop) or None,
+                              stop_token_ids=list(self.stop_token_ids) or None, **kwargs)
+
+
+# A frequent token ("\n" in the zoo tokenizer) used as an extra stop token: it stops
+# requests in the middle of a committed block, like an EOS would.
+NEWLINE_TOKEN_ID = 200
+
+
+def build_cases(with_stop_strings: bool = True) -> list[Case]:
+    """The 64 held-out prompts plus long (chunked) and shared-prefix ones, mixed limits.
+
+    Every 5th request stops at ``NEWLINE_TOKEN_ID`` (an EOS inside a block), every 7th at a
+    stop string (lossless only: the reference decoders know no stop strings).
+    """
+    prompts = heldout_prompts()
+    shared = prompts[60] + prompts[61]  # > 64 tokens: two full 32-token KV blocks to share
+    prompts = prompts + ["".join(prompts[i:i + 4]) for i in (0, 20)] + [shared + p for p in prompts[:4]]
+    cases = []
+    for i, prompt in enumerate(prompts):
+        stop_ids = (NEWLINE_TOKEN_ID,) if i % 5 == 4 else ()
+        stop = ("):", " = ") if with_stop_strings and i % 7 == 3 else ()
+        cases.append(Case(prompt, max_tokens=8 + (i * 11) % 33, stop=stop, stop_token_ids=stop_ids))
+    return cases
+
+
+def generate(llm, cases: list[Case], in_flight: int) -> list:
+    """``RequestOutput`` per case: all at once (``in_flight`` > 1) or one after another."""
+    params = [case.sampling_params() for case in cases]
+    prompts = [case.prompt for case in cases]
+    if in_flight == 1:
+        return [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def engine_metric(llm, name: str) -> float:
+    """A counter / gauge of the engine's Prometheus registry (``LLM.get_metrics``)."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
+def truncate(tokens: list[int], case: Case, eos_token_id: int) -> list[int]:
+    """The reference runner's output rules for ``case``: stop at (and keep) EOS or a stop id."""
+    stop_ids = {eos_token_id, *case.stop_token_ids}
+    out = []
+    for token in tokens[: case.max_tokens]:
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """First index where the sequences differ (a length difference counts); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@dataclass
+class Divergence:
+    case_index: int
+    position: int
+    near_tie: bool
+    detail: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def top2_gap(model, context: list[int], num_masks: int = 0, mask_token_id: int = 1) -> list[float]:
+    """fp32 top-2 logit gaps of ``model`` at the last context position and each mask after it."""
+    ids = torch.tensor([context + [mask_token_id] * num_masks])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(context) - 1:].float()  # [1 + num_masks, vocab]
+    top2 = logits.topk(2, dim=-1).values  # [1 + num_masks, 2]
+    return (top2[:, 0] - top2[:, 1]).tolist()

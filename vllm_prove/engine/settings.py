@@ -1,0 +1,161 @@
+"""``additional_config["prove"]`` -> validated settings -> vLLM's own flags, at start-up.
+
+Everything here runs in the front-end process, inside ``EngineArgs.create_engine_config``
+(wrapped by ``plugin.register``), before vLLM builds its config or spawns a process. A bad
+value therefore stops start-up with a ``ValueError`` naming the field: pydantic's message
+for the ranges of ``ProveEngineConfig``, and the checks below for what needs the model
+folders (the proposer's mask token, the verifier's vocabulary).
+
+The settings decide vLLM's flags, so the user writes only ``additional_config``:
+
+| mode | speculative_config filled in | worker | scheduler |
+| --- | --- | --- | --- |
+| lossless | draft_model = the served model, K = B, parallel_drafting, probabilistic drafts | ProVe | vLLM's |
+| verifier | draft_model = the verifier, K = B - 1 (its KV shares the block table) | ProVe | ProVe |
+| mars | draft_model = the served model (never loaded twice), K = B - 1 | ProVe | ProVe |
+
+A ``speculative_config`` given by the user must agree with this (a conflict names the key).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import ValidationError
+
+from vllm_prove.config import EngineMode, ProveEngineConfig
+
+# additional_config key that carries the settings (part of vLLM's config hash).
+PROVE_KEY = "prove"
+SCHEDULER_CLS = "vllm_prove.engine.scheduler.ProveScheduler"
+CPU_WORKER_CLS = "vllm_prove.engine.worker.ProveCPUWorker"
+GPU_WORKER_CLS = "vllm_prove.engine.worker.ProveGPUWorker"
+# The gated modes need Model Runner V1's `_sample` hook (vllm/config/vllm.py:703-739).
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def parse_settings(additional_config: dict[str, Any] | None) -> ProveEngineConfig | None:
+    """The ``"prove"`` entry of ``additional_config`` as validated settings; None if absent."""
+    raw = (additional_config or {}).get(PROVE_KEY)
+    if raw is None:
+        return None
+    try:
+        return ProveEngineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ValueError(f"additional_config['{PROVE_KEY}'] is invalid: {err}") from err
+
+
+def engine_settings(vllm_config) -> ProveEngineConfig | None:
+    """The settings of a built ``VllmConfig`` (already resolved by ``prepare_engine_args``)."""
+    return parse_settings(vllm_config.additional_config)
+
+
+def _hf_config(path: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def resolve_mask_token_id(settings: ProveEngineConfig, model: str, trust_remote_code: bool) -> int:
+    """``settings.mask_token_id``, else the served model's ``config.json`` ``mask_token_id``."""
+    if settings.mask_token_id is not None:
+        return settings.mask_token_id
+    mask_token_id = getattr(_hf_config(model, trust_remote_code), "mask_token_id", None)
+    if mask_token_id is None:
+        raise ValueError(
+            f"mask_token_id: the proposer {model!r} has no `mask_token_id` in its config.json and "
+            f"additional_config['{PROVE_KEY}'] gives none; every ProVe mode feeds mask placeholders"
+        )
+    return int(mask_token_id)
+
+
+def resolve_verifier(settings: ProveEngineConfig, user_spec: dict[str, Any], model: str, trust_remote_code: bool) -> str:
+    """The verifier folder (``verifier`` or ``speculative_config["model"]``), vocabulary checked."""
+    verifier = settings.verifier or user_spec.get("model")
+    if verifier is None or verifier == model:
+        raise ValueError(
+            "verifier: mode='verifier' needs a small verifier model: set "
+            f"additional_config['{PROVE_KEY}']['verifier'] (or speculative_config['model']) to its folder"
+        )
+    if settings.verifier is not None and user_spec.get("model") not in (None, settings.verifier):
+        raise ValueError(f"verifier: {settings.verifier!r} disagrees with speculative_config['model'] = {user_spec['model']!r}")
+    proposer_vocab = _hf_config(model, trust_remote_code).vocab_size
+    verifier_vocab = _hf_config(verifier, trust_remote_code).vocab_size
+    if verifier_vocab != proposer_vocab:
+        raise ValueError(
+            f"verifier: vocabulary size {verifier_vocab} of {verifier!r} != {proposer_vocab} of the proposer "
+            f"{model!r}; the verifier must share the proposer's tokenizer"
+        )
+    return verifier
+
+
+def speculative_config_for(settings: ProveEngineConfig, model: str, verifier: str | None) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for a mode (see the module table)."""
+    spec: dict[str, Any] = {"method": "draft_model", "num_speculative_tokens": settings.num_speculative_tokens}
+    if settings.mode is EngineMode.LOSSLESS:
+        # The mask-pass distributions become the draft probabilities of vLLM's rejection
+        # sampler (llm_base_proposer.py:258): exact speculative sampling at temperature > 0.
+        return spec | {"model": model, "parallel_drafting": True, "draft_sample_method": "probabilistic"}
+    return spec | {"model": verifier if settings.mode is EngineMode.VERIFIER else model}
+
+
+def merge_speculative_config(expected: dict[str, Any], user_spec: dict[str, Any], settings: ProveEngineConfig) -> dict[str, Any]:
+    """The user's ``speculative_config`` completed by ``expected``; a disagreement is an error."""
+    for key, value in expected.items():
+        if key in user_spec and user_spec[key] != value:
+            hint = f" (block_size={settings.block_size}, mode={settings.mode.value!r})" if key == "num_speculative_tokens" else ""
+            raise ValueError(
+                f"speculative_config['{key}'] = {user_spec[key]!r} conflicts with ProVe's {value!r}{hint}; "
+                "leave it out and the plugin fills it in"
+            )
+    return {**user_spec, **expected}
+
+
+def _set_engine_class(args, name: str, value: str, stock: tuple[Any, ...]) -> None:
+    current = getattr(args, name)
+    if current not in stock + (value,):
+        raise ValueError(f"{name}: ProVe installs {value!r}; a custom {name} {current!r} cannot be combined with it")
+    setattr(args, name, value)
+
+
+def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.arg_utils.EngineArgs, mutable
+    """Validate the settings and write vLLM's flags into ``args``; None when ProVe is off."""
+    settings = parse_settings(args.additional_config)
+    if settings is None:
+        return None
+    mask_token_id = resolve_mask_token_id(settings, args.model, args.trust_remote_code)
+    user_spec = dict(args.speculative_config or {})
+    verifier = None
+    if settings.mode is EngineMode.VERIFIER:
+        verifier = resolve_verifier(settings, user_spec, args.model, args.trust_remote_code)
+    expected = speculative_config_for(settings, args.model, verifier)
+    args.speculative_config = merge_speculative_config(expected, user_spec, settings)
+    resolved = settings.model_copy(update={"mask_token_id": mask_token_id, "verifier": verifier})
+    args.additional_config = {**args.additional_config, PROVE_KEY: resolved.model_dump(mode="json")}
+    from vllm.platforms import current_platform
+
+    worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
+    _set_engine_class(args, "worker_cls", worker_cls, ("auto",))
+    os.environ[V2_RUNNER_ENV] = "0"  # read when the VllmConfig is built, inherited by the workers
+    if settings.mode.gated:
+        _set_engine_class(args, "scheduler_cls", SCHEDULER_CLS, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
+        if args.async_scheduling:
+            raise ValueError("async_scheduling: the gated ProVe modes roll back num_computed_tokens in a sync scheduler")
+        args.async_scheduling = False
+    return resolved
+
+
+def check_engine_config(vllm_config, settings: ProveEngineConfig) -> None:
+    """Checks that need vLLM's resolved config (after ``create_engine_config``)."""
+    if not settings.mode.gated:
+        return
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    # One token budget of B - 1 is held back for windows (ProveScheduler), and a window step
+    # [u, mask x (B-1)] needs B more.
+    minimum = 2 * settings.block_size - 1
+    if budget < minimum:
+        raise ValueError(
+            f"max_num_batched_tokens: {budget} is too small for block_size={settings.block_size}; "
+            f"the gated ProVe modes need at least 2 * block_size - 1 = {minimum}"
+        )

@@ -1,0 +1,86 @@
+"""Workers that install ProVe into the model runner vLLM just built.
+
+``init_device`` builds the stock runner (``vllm/v1/worker/cpu_worker.py:168-177``,
+``gpu_worker.py:558``) and with it vLLM's drafter; ``load_model`` comes later and calls
+``drafter.load_model(runner.model)`` (``cpu_model_runner.py:74-76``), so replacing the
+drafter right after ``init_device`` is enough for it to share the loaded target. The
+plugin names these classes in ``parallel_config.worker_cls``; by hand:
+``--worker-cls vllm_prove.engine.worker.ProveCPUWorker`` (``ProveGPUWorker`` on CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_prove.config import EngineMode
+from vllm_prove.engine import cpu_fixes
+from vllm_prove.engine.gate_runner import ProveGateRunnerMixin, gate_runner_class
+from vllm_prove.engine.proposers import SelfMaskProposer, SharedTargetProposer
+from vllm_prove.engine.settings import engine_settings
+
+logger = init_logger(__name__)
+
+
+def install(worker) -> None:
+    """Put the mode's drafter (and, in the gated modes, the gate) into ``worker.model_runner``."""
+    settings = engine_settings(worker.vllm_config)
+    runner = worker.model_runner
+    if settings is None:
+        return
+    if not isinstance(runner, GPUModelRunner) or not hasattr(runner, "drafter"):
+        raise RuntimeError(
+            f"ProVe needs vLLM's Model Runner V1 with a drafter, got {type(runner).__name__}; "
+            "keep VLLM_USE_V2_MODEL_RUNNER=0 (the plugin sets it)"
+        )
+    if settings.mode is EngineMode.LOSSLESS:
+        runner.drafter = SelfMaskProposer(worker.vllm_config, runner.device, runner)
+    else:
+        if settings.mode is EngineMode.MARS:
+            runner.drafter = SharedTargetProposer(worker.vllm_config, runner.device, runner)
+        # verifier mode keeps vLLM's DraftModelProposer: it loads the verifier and its KV.
+        runner.__class__ = gate_runner_class(type(runner))
+        runner.prove = settings
+    logger.info("ProVe %s mode installed: runner %s, drafter %s", settings.mode.value,
+                type(runner).__name__, type(runner.drafter).__name__)
+
+
+class _ProveWorkerMixin:
+    """``init_device`` post-hook, plus RPCs for tests (``LLM.collective_rpc("prove_...")``)."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        install(self)
+
+    def prove_probe(self) -> dict[str, Any]:
+        """What the engine is running: runner, drafter, weight/KV sharing, KV blocks."""
+        runner = self.model_runner
+        drafter = getattr(runner, "drafter", None)
+        kv_config = runner.kv_cache_config
+        return {
+            "runner": type(runner).__name__,
+            "gated": isinstance(runner, ProveGateRunnerMixin),
+            "drafter": type(drafter).__name__ if drafter is not None else None,
+            "drafter_shares_model": drafter is not None and getattr(drafter, "model", None) is runner.model,
+            "kv_layers": sorted(name for group in kv_config.kv_cache_groups for name in group.layer_names),
+            "num_blocks": kv_config.num_blocks,
+        }
+
+    def prove_set_cpu_sampling_fix(self, enabled: bool) -> bool:
+        """Switch the CPU expand-kernel fix (test of ``cpu_fixes``); True if it applies here."""
+        if enabled:
+            return cpu_fixes.apply()
+        cpu_fixes.restore_vllm_kernel()
+        return True
+
+
+class ProveCPUWorker(_ProveWorkerMixin, CPUWorker):
+    """vLLM's CPU worker with ProVe installed."""
+
+
+class ProveGPUWorker(_ProveWorkerMixin, Worker):
+    """vLLM's GPU worker with ProVe installed."""

@@ -14,6 +14,7 @@ import torch
 
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.core.contracts import BlockProposal
+from vllm_prove.core.fused import token_prob, top1_confidence
 from vllm_prove.core.rules import apply_gate, lossless_greedy, proposer_only_gate
 from vllm_prove.reference.kv import BatchedKV, pad_rows
 
@@ -27,6 +28,17 @@ class CycleRecord:
     proposer_probs: list[float] = field(default_factory=list)
     verifier_probs: list[float] = field(default_factory=list)
     ar_match: int | None = None  # AR-matching prefix of the proposed block (if tracked)
+
+
+def _lengths(rows: list[list[int]], active: list[bool]) -> torch.Tensor:
+    """# [batch] int64: len(rows[r]) for active rows, 0 for free ones."""
+    return torch.tensor([len(row) if a else 0 for row, a in zip(rows, active)], dtype=torch.long)
+
+
+def _window(logits: torch.Tensor, start: torch.Tensor, num: int) -> torch.Tensor:
+    """logits # [batch, n, vocab] -> # [batch, num, vocab], columns start[r] .. start[r] + num - 1."""
+    idx = (start.clamp(min=0)[:, None] + torch.arange(num)[None, :]).clamp(max=logits.shape[1] - 1)
+    return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
 
 
 class Decoder:
@@ -60,11 +72,10 @@ class Decoder:
         rows = [self.pending[r] + [self.mask_id] * (self.B - 1) if active[r] else [] for r in range(len(active))]
         ids, lengths = pad_rows(rows, self.pad_id)
         logits = self.kv_p.extend(ids, lengths)  # [batch, n, vocab]
-        n_pending = torch.tensor([len(p) if a else 1 for p, a in zip(self.pending, active)])
-        idx = (n_pending - 1)[:, None] + torch.arange(self.B)[None, :]  # [batch, block]
-        probs = torch.softmax(logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])), dim=-1)
-        p_tilde, y = probs.max(dim=-1)  # [batch, block] each
-        return BlockProposal(y, p_tilde, torch.full((len(active),), self.B, dtype=torch.long))
+        block_logits = _window(logits, _lengths(self.pending, active) - 1, self.B)  # [batch, block, vocab]
+        y, p_tilde = top1_confidence(block_logits.flatten(0, 1))  # [batch * block] each
+        shape = block_logits.shape[:2]
+        return BlockProposal(y.view(shape), p_tilde.view(shape), torch.full((len(active),), self.B, dtype=torch.long))
 
     def _teacher_force(self, kv: BatchedKV, prefix: list[list[int]], block: torch.Tensor, num_out: int,
                        active: list[bool]) -> torch.Tensor:
@@ -73,9 +84,7 @@ class Decoder:
         rows = [prefix[r] + block[r].tolist() if active[r] else [] for r in range(len(active))]
         ids, lengths = pad_rows(rows, self.pad_id)
         logits = kv.extend(ids, lengths)  # [batch, n, vocab]
-        start = torch.tensor([max(len(prefix[r]) - 1, 0) if active[r] else 0 for r in range(len(active))])
-        idx = (start[:, None] + torch.arange(num_out)[None, :]).clamp(max=logits.shape[1] - 1)  # [batch, num_out]
-        return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+        return _window(logits, _lengths(prefix, active) - 1, num_out)
 
     def _ar_match(self, proposal: BlockProposal, active: list[bool]) -> torch.Tensor:
         """Diagnostic, # [batch, block] bool: y_i == g_i, the proposer's greedy AR prediction
@@ -125,7 +134,7 @@ class MarsDecoder(Decoder):
 
     def cycle(self, active):
         proposal = self._propose(active)  # pass 1: pending + B-1 masks
-        self.kv_p.commit(torch.tensor([len(p) if a else 0 for p, a in zip(self.pending, active)]))
+        self.kv_p.commit(_lengths(self.pending, active))
         matches = self._ar_match(proposal, active) if self.track_ar_match else None
         verdict = proposer_only_gate(proposal, self.cfg.tau)
         committed = [row if a else [] for row, a in zip(verdict.to_lists(), active)]
@@ -140,17 +149,16 @@ class ProveDecoder(Decoder):
 
     def cycle(self, active):
         proposal = self._propose(active)  # pass 1: pending + B-1 masks
-        self.kv_p.commit(torch.tensor([len(p) if a else 0 for p, a in zip(self.pending, active)]))
+        self.kv_p.commit(_lengths(self.pending, active))
         matches = self._ar_match(proposal, active) if self.track_ar_match else None
         y = proposal.draft_token_ids  # [batch, block]
         logits = self._teacher_force(self.kv_v, self.v_pending, y[:, :-1], self.B, active)  # pass 2
-        q = torch.softmax(logits, dim=-1).gather(-1, y[..., None]).squeeze(-1)  # [batch, block]
+        q = token_prob(logits.flatten(0, 1), y.flatten()).view_as(proposal.proposer_probs)  # [batch, block]
         verdict = apply_gate(self.cfg.gate, proposal, q, self.cfg.theta if self.cfg.gate.needs_verifier
                              else self.cfg.tau)
         a = verdict.num_accepted  # [batch]
         # the verifier keeps v_pending + y_1..y_{a-1}; y_a is read first next cycle (it scores q_1)
-        n_v = torch.tensor([len(v) for v in self.v_pending])
-        self.kv_v.commit(torch.where(torch.tensor(active), n_v + a - 1, 0))
+        self.kv_v.commit(torch.where(torch.tensor(active), _lengths(self.v_pending, active) + a - 1, 0))
         committed = [row if x else [] for row, x in zip(verdict.to_lists(), active)]
         self.pending = [c or p for c, p in zip(committed, self.pending)]
         self.v_pending = [c[-1:] or v for c, v in zip(committed, self.v_pending)]
@@ -164,7 +172,7 @@ class LosslessDecoder(Decoder):
 
     def cycle(self, active):
         proposal = self._propose(active)  # pass 1: pending + B-1 masks
-        self.kv_p.commit(torch.tensor([len(p) if a else 0 for p, a in zip(self.pending, active)]))
+        self.kv_p.commit(_lengths(self.pending, active))
         y = proposal.draft_token_ids  # [batch, block]
         empty = [[] for _ in active]
         g_next = self._teacher_force(self.kv_p, empty, y, self.B, active).argmax(-1)  # pass 2: g_2..g_{B+1}
@@ -196,10 +204,8 @@ class SDDecoder(Decoder):
         logits = self._teacher_force(self.kv_p, self.pending, d, k + 1, active)  # target pass
         verdict = lossless_greedy(d, torch.full((n,), k, dtype=torch.long), logits.argmax(-1))
         a = torch.where(torch.tensor(active), verdict.num_accepted, 0)  # [batch]
-        n_p = torch.tensor([len(p) if x else 0 for p, x in zip(self.pending, active)])
-        n_v = torch.tensor([len(v) if x else 0 for v, x in zip(self.v_pending, active)])
-        self.kv_p.commit(n_p + a)
-        self.kv_v.commit(n_v + a.clamp(max=k - 1))  # d_k was never fed to the drafter
+        self.kv_p.commit(_lengths(self.pending, active) + a)
+        self.kv_v.commit(_lengths(self.v_pending, active) + a.clamp(max=k - 1))  # d_k was never fed to the drafter
         committed = [row if x else [] for row, x in zip(verdict.to_lists(), active)]
         self.pending = [c[-1:] or p for c, p in zip(committed, self.pending)]
         self.v_pending = [c[min(int(a[r]), k - 1):] or self.v_pending[r] for r, c in enumerate(committed)]

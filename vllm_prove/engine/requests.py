@@ -2,14 +2,21 @@
 
 The gate of the verifier/MARS modes replaces vLLM's sampler on window steps
 (``gate_runner``): it decodes greedily from the raw window logits and returns no log
-probabilities. Parameters that need the sampler are therefore refused with a
-``ValueError`` naming them (``vllm serve`` answers 400) instead of being silently ignored.
+probabilities. Parameters that need the sampler are therefore refused with an error naming
+them instead of being silently ignored: a ``ValueError`` for ``LLM`` users and a
+``VLLMValidationError``, which vLLM's server answers with 400 (``vllm/exceptions.py:28``).
 Lossless mode keeps vLLM's sampler and accepts everything vLLM accepts.
 """
 
 from __future__ import annotations
 
+from vllm.exceptions import VLLMValidationError
+
 from vllm_prove.engine.settings import engine_settings
+
+
+class GatedModeRequestError(VLLMValidationError, ValueError):
+    """A request asks the gated modes for something their gate does not implement."""
 
 
 def unsupported_gated_params(params) -> list[str]:
@@ -41,7 +48,8 @@ def check_params(vllm_config, params) -> None:
         return
     unsupported = unsupported_gated_params(params)
     if unsupported:
-        raise ValueError(
+        raise GatedModeRequestError(
             f"ProVe mode {settings.mode.value!r} decodes greedily through its gate and does not support "
-            f"{', '.join(unsupported)}; use temperature=0 and leave these unset (lossless mode supports them)"
+            f"{', '.join(unsupported)}; use temperature=0 and leave these unset (lossless mode supports them)",
+            parameter=unsupported[0],
         )

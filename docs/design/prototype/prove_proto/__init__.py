@@ -1,1 +1,0 @@
-"""Prototype of vllm_prove.engine (lives only under /tmp/proto)."""

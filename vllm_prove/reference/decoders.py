@@ -41,6 +41,11 @@ def _window(logits: torch.Tensor, start: torch.Tensor, num: int) -> torch.Tensor
     return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
 
 
+def _last_argmax(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Greedy token after each row's last real column: # [batch] int64."""
+    return _window(logits, lengths - 1, 1)[:, 0].argmax(-1)
+
+
 class Decoder:
     """Per-row state shared by every method; subclasses implement `cycle()`."""
 
@@ -120,7 +125,7 @@ class ARDecoder(Decoder):
     def cycle(self, active):
         ids, lengths = pad_rows([p if a else [] for p, a in zip(self.pending, active)], self.pad_id)
         logits = self.kv_p.extend(ids, lengths)  # [batch, n, vocab]
-        nxt = logits[torch.arange(len(active)), (lengths - 1).clamp(min=0)].argmax(-1)  # [batch]
+        nxt = _last_argmax(logits, lengths)  # [batch]
         self.kv_p.commit(lengths)
         committed = [[int(nxt[r])] if active[r] else [] for r in range(len(active))]
         self.pending = [c or p for c, p in zip(committed, self.pending)]
@@ -197,7 +202,7 @@ class SDDecoder(Decoder):
         for _ in range(k):  # k serial drafter passes
             ids, lengths = pad_rows(feed, self.pad_id)
             logits = self.kv_v.extend(ids, lengths)
-            d = logits[torch.arange(n), (lengths - 1).clamp(min=0)].argmax(-1)  # [batch]
+            d = _last_argmax(logits, lengths)  # [batch]
             drafts.append(d)
             feed = [[int(d[r])] if active[r] else [] for r in range(n)]
         d = torch.stack(drafts, dim=1)  # [batch, k]

@@ -31,7 +31,8 @@ zoo: $(STAMP)
 	$(VENV)/bin/vllm-prove zoo build
 
 bench: $(STAMP)
-	$(VENV)/bin/vllm-prove bench --engine reference --out runs/bench
+	$(VENV)/bin/vllm-prove bench --engine vllm --bf16 --out runs/bench
+	$(VENV)/bin/vllm-prove bench --engine reference --batch-sizes 1 --out runs/bench-reference
 
 clean:
 	rm -rf runs .pytest_cache

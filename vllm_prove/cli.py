@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["reference"], default="reference")
+    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                   help="transformers reference decoders, or vLLM's engine with the ProVe plugin")
     p.add_argument("--preset", help="configs/NAME.json: defaults for the decode settings (flags override)")
     p.add_argument("--method", required=True, choices=["ar", "sd", "mars", "prove", "prove-lossless"])
     p.add_argument("--proposer", help="proposer checkpoint folder (default: the zoo's)")
@@ -46,11 +47,21 @@ def _decode_config(args):
 
 def cmd_generate(args) -> int:
     from vllm_prove.prompts import read_prompts
-    from vllm_prove.reference.runner import generate, write_outputs
+    from vllm_prove.reference.runner import write_outputs
 
     cfg = _decode_config(args)
     prompts = read_prompts(args.prompts)
-    results, summary = generate(cfg, prompts, track_ar_match=args.track_ar_match)
+    if args.engine == "vllm":
+        if args.track_ar_match:
+            raise ValueError("--track-ar-match: only the reference engine records per-block diagnostics")
+        from vllm_prove.engine.generate import generate, prepare_environment
+
+        prepare_environment()
+        results, summary = generate(cfg, prompts)
+    else:
+        from vllm_prove.reference.runner import generate
+
+        results, summary = generate(cfg, prompts, track_ar_match=args.track_ar_match)
     write_outputs(results, summary, args.out, args.summary)
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
     return 0
@@ -88,14 +99,27 @@ def cmd_train(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from vllm_prove.eval.bench import HEADER, run_bench
     from vllm_prove.prompts import read_prompts
     from vllm_prove.zoo import HELDOUT_PROMPTS
 
     prompts = read_prompts(args.prompts or HELDOUT_PROMPTS)[: args.num_prompts]
-    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, engine={args.engine}")
-    print(HEADER)
-    run_bench(prompts, max_tokens=args.max_tokens, batch_sizes=args.batch_sizes, out_dir=args.out)
+    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, engine={args.engine}, "
+          f"in flight={args.batch_sizes}", flush=True)
+    if args.engine == "vllm":
+        from vllm_prove.engine.generate import prepare_environment
+
+        prepare_environment()
+        from vllm_prove.eval.engine_bench import HEADER, run_engine_bench
+
+        print(HEADER, flush=True)
+        run_engine_bench(prompts, max_tokens=args.max_tokens, in_flight=args.batch_sizes, bf16=args.bf16,
+                         out_dir=args.out, log=lambda line: print(line, flush=True))
+    else:
+        from vllm_prove.eval.bench import HEADER, run_bench
+
+        print(HEADER)
+        run_bench(prompts, max_tokens=args.max_tokens, batch_sizes=args.batch_sizes, out_dir=args.out)
+    print(f"wrote {args.out}/bench.json" + (" and bench.png" if args.engine == "vllm" else ""))
     return 0
 
 
@@ -110,15 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-prove", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_decode_args(sub.add_parser("generate", help="decode a prompt file"))
-    for name, n, bss in (("bench", 64, [1, 4]), ("demo", 16, [1])):
+    for name, n, tokens, bss in (("bench", 64, 48, [1, 4, 16]), ("demo", 16, 32, [1, 4, 16])):
         b = sub.add_parser(name, help="side-by-side table of every method on the zoo" if name == "bench"
-                           else "the main job on the embedded zoo: a quick side-by-side table")
-        b.add_argument("--engine", choices=["reference"], default="reference")
+                           else "the main job on the embedded zoo: every method inside vLLM, side by side")
+        b.add_argument("--engine", choices=["vllm", "reference"], default="vllm")
         b.add_argument("--prompts", help="prompt file (default: the zoo's held-out prompts)")
         b.add_argument("--num-prompts", type=int, default=n)
-        b.add_argument("--max-tokens", type=int, default=64)
-        b.add_argument("--batch-sizes", type=int, nargs="+", default=bss)
-        b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json")
+        b.add_argument("--max-tokens", type=int, default=tokens)
+        b.add_argument("--batch-sizes", type=int, nargs="+", default=bss, help="requests in flight")
+        b.add_argument("--bf16", action="store_true", help="vllm: also AR and lossless in bf16 (divergence rate)")
+        b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json (and bench.png)")
     serve = sub.add_parser("serve", help="vLLM's OpenAI server with ProVe: vllm-prove serve MODEL "
                            "--additional-config '{\"prove\": {...}}' [any vllm serve flag]")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")

@@ -34,36 +34,50 @@ DEFAULT_RUNS = [  # (label, DecodeConfig overrides)
 
 
 @torch.no_grad()
-def pass_seconds(model, context_len: int, num_tokens: int, repeats: int = 10) -> float:
-    """Median seconds of one cached pass reading `num_tokens` after `context_len` tokens."""
-    kv = BatchedKV(model, 1)
-    kv.extend(torch.full((1, context_len), 7), torch.tensor([context_len]))
-    kv.commit(torch.tensor([context_len]))
+def pass_seconds(model, context_len: int, num_tokens: int, rows: int = 1, repeats: int = 10) -> float:
+    """Median seconds of one cached pass reading `num_tokens` per row after `context_len` tokens."""
+    kv = BatchedKV(model, rows)
+    kv.extend(torch.full((rows, context_len), 7), torch.full((rows,), context_len))
+    kv.commit(torch.full((rows,), context_len))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        kv.extend(torch.full((1, num_tokens), 7), torch.tensor([num_tokens]))
+        kv.extend(torch.full((rows, num_tokens), 7), torch.full((rows,), num_tokens))
         times.append(time.perf_counter() - t)
         kv.discard()
     return sorted(times)[len(times) // 2]
 
 
-def cycle_cost(method: Method, block: int, k: int, costs: dict) -> float:
-    """Cycle cost in AR-pass units from measured pass times (methods.md §6)."""
-    rho = rho_from_pass_times(costs["verifier"], costs["ar"])
-    window = costs["window"] / costs["ar"]
-    return {Method.AR: 1.0, Method.MARS: window, Method.PROVE: prove_cycle_cost(rho) - 1 + window,
-            Method.PROVE_LOSSLESS: LOSSLESS_CYCLE_COST - 2 + window + costs["verify"] / costs["ar"],
-            Method.SD: sd_cycle_cost(k, rho) - 1 + costs["verify_sd"][k] / costs["ar"]}[method]
+def pass_costs(proposer, verifier, block: int, rows: int = 1, ks=(3, 5), context_len: int = 64) -> dict:
+    """Seconds of every pass a method's cycle is made of, `rows` requests at a time:
+    AR step, window (B tokens), verify (B + 1), verifier over the block and over one token
+    (an SD draft step), SD verify (k + 1)."""
+    run = lambda model, n: pass_seconds(model, context_len, n, rows)  # noqa: E731
+    return {"rows": rows, "ar": run(proposer, 1), "window": run(proposer, block), "verify": run(proposer, block + 1),
+            "verifier_block": run(verifier, block), "verifier": run(verifier, 1),
+            "verify_sd": {k: run(proposer, k + 1) for k in ks}}
+
+
+def cycle_cost(method: Method, k: int, costs: dict) -> float:
+    """Cycle cost in AR-pass units from measured pass times (methods.md §6): the paper's
+    `1 + rho`, `1 + k * rho`, `2` with each proposer pass at its measured width."""
+    ar = costs["ar"]
+    if method is Method.AR:
+        return 1.0
+    if method is Method.MARS:
+        return costs["window"] / ar
+    if method is Method.PROVE:
+        return prove_cycle_cost(rho_from_pass_times(costs["verifier_block"], ar)) - 1 + costs["window"] / ar
+    if method is Method.PROVE_LOSSLESS:
+        return LOSSLESS_CYCLE_COST - 2 + (costs["window"] + costs["verify"]) / ar
+    return sd_cycle_cost(k, rho_from_pass_times(costs["verifier"], ar)) - 1 + costs["verify_sd"][k] / ar
 
 
 def run_bench(prompts: list[str], *, max_tokens: int = 64, batch_sizes=(1,), runs=DEFAULT_RUNS,
               out_dir: str | Path | None = None) -> list[dict]:
     models = load_models(DecodeConfig(method=Method.PROVE))
     block = DecodeConfig().block_size
-    costs = {"ar": pass_seconds(models.proposer, 64, 1), "window": pass_seconds(models.proposer, 64, block),
-             "verify": pass_seconds(models.proposer, 64, block), "verifier": pass_seconds(models.verifier, 64, 1)}
-    costs["verify_sd"] = {k: pass_seconds(models.proposer, 64, k + 1) for k in (3, 5)}
+    costs = pass_costs(models.proposer, models.verifier, block)
     rows = []
     for bs in batch_sizes:
         ar_tokens, ar_tps = None, None
@@ -82,7 +96,7 @@ def run_bench(prompts: list[str], *, max_tokens: int = 64, batch_sizes=(1,), run
                    "ratio_to_ar": round(summary["tokens_per_s"] / ar_tps, 3) if ar_tps else None,
                    "identical_to_ar": sum(a == b for a, b in zip(tokens, ar_tokens)) / len(tokens) if ar_tokens else None,
                    "ideal_speedup": round(ideal_speedup(summary["committed_per_cycle"],
-                                                        cycle_cost(cfg.method, block, cfg.k, costs)), 3)}
+                                                        cycle_cost(cfg.method, cfg.k, costs)), 3)}
             rows.append(row)
             print(format_row(row), flush=True)
     if out_dir is not None:

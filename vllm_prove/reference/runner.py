@@ -28,6 +28,7 @@ class RequestResult:
     cycles: int = 0
     seconds: float = 0.0
     records: list[CycleRecord] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"index": self.index, "prompt": self.prompt, "token_ids": self.token_ids, "text": self.text,
@@ -84,7 +85,7 @@ def generate(cfg: DecodeConfig, prompts: list[str], models: Models | None = None
     dec = DECODERS[cfg.method](cfg, models.proposer, models.verifier, mask_token_id=models.mask_token_id,
                                pad_id=tok.eos_token_id, track_ar_match=track_ar_match)
     eos = tok.eos_token_id if eos_token_id is None else eos_token_id
-    results = [RequestResult(i, p) for i, p in enumerate(prompts)]
+    results = [RequestResult(i, p, prompt_token_ids=ids) for i, (p, ids) in enumerate(zip(prompts, prompt_ids))]
     queue, rows = deque(range(len(prompts))), [None] * cfg.batch_size
     started: dict[int, float] = {}
     t0 = time.perf_counter()

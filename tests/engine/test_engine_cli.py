@@ -1,0 +1,86 @@
+"""`vllm-prove generate --engine vllm` (the reference engine's contract) and the vLLM bench."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_support import heldout_prompts
+
+from vllm_prove import cli
+from vllm_prove.config import Method
+from vllm_prove.eval import engine_bench
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 20
+NUM_PROMPTS = 12
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "source": "heldout"}) + "\n"
+                            for p in heldout_prompts()[:NUM_PROMPTS]))
+    return path
+
+
+def _generate(prompt_file, tmp_path, method: str, *extra: str) -> tuple[list[dict], dict]:
+    out, summary = tmp_path / f"{method}.jsonl", tmp_path / f"{method}.json"
+    rc = cli.main(["generate", "--engine", "vllm", "--method", method, "--prompts", str(prompt_file),
+                   "--max-tokens", str(MAX_TOKENS), "--batch-size", "4", "--out", str(out),
+                   "--summary", str(summary), *extra])
+    assert rc == 0
+    return [json.loads(line) for line in out.read_text().splitlines()], json.loads(summary.read_text())
+
+
+def test_generate_vllm_contract_and_lossless_equals_ar(prompt_file, tmp_path):
+    ar_rows, ar = _generate(prompt_file, tmp_path, "ar")
+    ll_rows, ll = _generate(prompt_file, tmp_path, "prove-lossless")
+    for rows in (ar_rows, ll_rows):
+        assert [r["index"] for r in rows] == list(range(NUM_PROMPTS))
+        assert [r["prompt"] for r in rows] == heldout_prompts()[:NUM_PROMPTS]
+        for r in rows:
+            assert set(r) == {"index", "prompt", "token_ids", "text", "num_tokens", "cycles", "seconds"}
+            assert 1 <= r["num_tokens"] == len(r["token_ids"]) <= MAX_TOKENS
+            assert 1 <= r["cycles"] <= r["num_tokens"] and r["seconds"] > 0
+    assert [r["token_ids"] for r in ll_rows] == [r["token_ids"] for r in ar_rows]
+    for summary, method in ((ar, "ar"), (ll, "prove-lossless")):
+        assert {"method", "engine", "num_tokens", "seconds", "tokens_per_s", "cycles", "committed_per_cycle",
+                "passes"} <= set(summary)
+        assert summary["method"] == method and summary["engine"] == "vllm" and summary["batch_size"] == 4
+        assert summary["num_tokens"] == sum(r["num_tokens"] for r in ar_rows)
+    assert ar["committed_per_cycle"] == 1.0 and ar["cycles"] == ar["num_tokens"]
+    assert ll["committed_per_cycle"] > 1.0 and ll["cycles"] < ar["cycles"]
+    # vLLM's own counters agree: each lossless step verified one block per request
+    assert ll["spec_decode"]["num_drafts"] > 0 and ll["spec_decode"]["committed_per_cycle"] > 1.0
+
+
+def test_generate_vllm_rejects_reference_only_flag(prompt_file, tmp_path, capsys):
+    rc = cli.main(["generate", "--engine", "vllm", "--method", "ar", "--prompts", str(prompt_file),
+                   "--max-tokens", "4", "--out", str(tmp_path / "o.jsonl"), "--track-ar-match"])
+    assert rc == 2 and "--track-ar-match" in capsys.readouterr().err
+
+
+def test_engine_bench_rows_memory_and_plot(tmp_path):
+    runs = [r for r in engine_bench.ENGINE_RUNS if r.label in ("ar", "parallel-draft", "prove theta=0.1",
+                                                                "prove-lossless")]
+    report = engine_bench.run_engine_bench(heldout_prompts()[:6], max_tokens=16, in_flight=(1, 4), runs=runs,
+                                           out_dir=tmp_path, log=lambda line: None)
+    rows = {(r["label"], r["in_flight"]): r for r in report["rows"]}
+    assert set(rows) == {(r.label, n) for r in runs for n in (1, 4)}
+    for n in (1, 4):
+        ar, lossless = rows["ar", n], rows["prove-lossless", n]
+        verifier, parallel = rows["prove theta=0.1", n], rows["parallel-draft", n]
+        assert ar["ratio_to_ar"] == 1.0 and ar["committed_per_cycle"] == 1.0 and ar["same_as_ar"] == 1.0
+        assert lossless["same_as_ar"] == 1.0 and parallel["same_as_ar"] == 1.0  # both verify greedily
+        assert lossless["off_argmax"] == ar["off_argmax"]  # same tokens, same teacher-forced check
+        assert lossless["committed_per_cycle"] > 1.0 and lossless["ideal_speedup"] > 0
+        assert verifier["method"] == Method.PROVE.value and verifier["theta"] == 0.1
+        # ProVe-lossless keeps AR's single KV cache; vLLM's parallel drafting adds the draft's
+        # layers to every block (a second copy), so the same budget holds fewer tokens.
+        assert lossless["kv_capacity_tokens"] == ar["kv_capacity_tokens"] > parallel["kv_capacity_tokens"]
+        assert lossless["peak_rss_mb"] > 0
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert written["rows"] == report["rows"] and set(written["pass_seconds"]) == {"1", "4"}
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,150 @@
+"""`vllm-prove generate --engine vllm`: the reference engine's contract on vLLM's engine.
+
+One ``DecodeConfig`` becomes vLLM's own flags (``engine_kwargs``), the engine decodes the
+prompt file greedily with at most ``batch_size`` requests in flight (``drive``: a finished
+request's slot goes to the next prompt at once, as in the reference runner), and the run is
+written as the same ``OUT.jsonl`` / ``SUMMARY.json``. A cycle is one engine step that gave a
+request tokens, so ``committed_per_cycle`` means the same thing for every method (1 for AR).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+from vllm_prove.config import DecodeConfig, Method
+from vllm_prove.reference.runner import RequestResult, zoo_path
+
+# vLLM's CPU backend refuses to start without a KV-cache budget (GiB); GPUs size it themselves.
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+def prepare_environment() -> None:
+    """Environment vLLM reads at import (call before the first ``import vllm``)."""
+    if not os.path.exists("/dev/nvidia0"):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def method_flags(cfg: DecodeConfig) -> dict:
+    """vLLM flags (``speculative_config`` / ``additional_config``) of a method; {} for AR."""
+    verifier = cfg.verifier or zoo_path("verifier")
+    if cfg.method is Method.AR:
+        return {}
+    if cfg.method is Method.SD:  # vLLM's own draft-model SD, the verifier as the drafter
+        return {"speculative_config": {"method": "draft_model", "model": verifier, "num_speculative_tokens": cfg.k}}
+    prove = {"block_size": cfg.block_size}
+    if cfg.mask_token_id is not None:
+        prove["mask_token_id"] = cfg.mask_token_id
+    if cfg.method is Method.MARS:
+        prove |= {"mode": "mars", "tau": cfg.tau}
+    elif cfg.method is Method.PROVE:
+        prove |= {"mode": "verifier", "verifier": verifier, "theta": cfg.theta, "gate": cfg.gate.value}
+    else:
+        prove |= {"mode": "lossless"}
+    return {"additional_config": {"prove": prove}}
+
+
+def parallel_draft_flags(cfg: DecodeConfig) -> dict:
+    """vLLM's built-in self parallel drafting: the proposer loaded a second time as its own
+    draft (``parallel_drafting``), a second KV cache beside the target's."""
+    proposer = cfg.proposer or zoo_path("proposer")
+    return {"speculative_config": {"method": "draft_model", "model": proposer, "parallel_drafting": True,
+                                   "num_speculative_tokens": cfg.block_size}}
+
+
+def engine_kwargs(cfg: DecodeConfig, flags: dict, max_num_seqs: int | None = None) -> dict:
+    """``LLM(...)`` kwargs: the proposer served eagerly in ``cfg.dtype`` with the method's flags."""
+    return {"model": cfg.proposer or zoo_path("proposer"), "dtype": cfg.dtype, "enforce_eager": True, "seed": 0,
+            "max_num_seqs": max_num_seqs or cfg.batch_size, "disable_log_stats": False, **flags}
+
+
+@contextlib.contextmanager
+def engine(kwargs: dict):
+    """A vLLM ``LLM`` that is shut down (processes and memory released) on exit."""
+    prepare_environment()
+    from vllm import LLM
+
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def drive(llm, prompts: list[str], params, in_flight: int) -> tuple[list[RequestResult], dict]:
+    """Decode ``prompts`` with at most ``in_flight`` requests in the engine at a time.
+
+    Returns one ``RequestResult`` per prompt (``prompt_token_ids`` attached) and the run's
+    ``seconds`` and ``engine_steps``. ``cycles`` of a request = engine steps that gave it
+    tokens (its prefill step included).
+    """
+    if in_flight < 1:
+        raise ValueError(f"batch_size: requests in flight must be >= 1, got {in_flight}")
+    engine_ = llm.llm_engine
+    results = [RequestResult(i, p) for i, p in enumerate(prompts)]
+    queue, live, started = deque(range(len(prompts))), set(), {}
+    steps = 0
+    t0 = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < in_flight:
+            i = queue.popleft()
+            started[i] = time.perf_counter()
+            engine_.add_request(str(i), prompts[i], params)
+            live.add(i)
+        outputs = engine_.step()
+        steps += 1
+        for out in outputs:
+            i = int(out.request_id)
+            res, completion = results[i], out.outputs[0]
+            if len(completion.token_ids) > len(res.token_ids):
+                res.cycles += 1
+            res.token_ids = list(completion.token_ids)
+            if out.finished:
+                res.seconds = time.perf_counter() - started[i]
+                res.text = completion.text
+                res.prompt_token_ids = list(out.prompt_token_ids or [])
+                live.discard(i)
+    return results, {"seconds": time.perf_counter() - t0, "engine_steps": steps}
+
+
+def summarize(cfg: DecodeConfig, results: list[RequestResult], run: dict, spec=None) -> dict:
+    """The reference runner's summary fields (plus vLLM's spec-decode counters when given)."""
+    num_tokens = sum(len(r.token_ids) for r in results)
+    cycles = sum(r.cycles for r in results)
+    seconds = run["seconds"]
+    out = {"method": cfg.method.value, "engine": "vllm", "num_tokens": num_tokens, "seconds": round(seconds, 4),
+           "tokens_per_s": round(num_tokens / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
+           "committed_per_cycle": round(num_tokens / cycles, 4) if cycles else 0.0,
+           "batch_size": cfg.batch_size, "block_size": cfg.block_size, "dtype": cfg.dtype,
+           "passes": {"engine_steps": run["engine_steps"]}}
+    out |= {"theta": cfg.theta, "gate": cfg.gate.value} if cfg.method is Method.PROVE else {}
+    out |= {"tau": cfg.tau} if cfg.method is Method.MARS else {}
+    out |= {"k": cfg.k} if cfg.method is Method.SD else {}
+    if spec is not None and spec.num_drafts:
+        out["spec_decode"] = spec.to_json()
+    return out
+
+
+def generate(cfg: DecodeConfig, prompts: list[str]) -> tuple[list[RequestResult], dict]:
+    """Decode ``prompts`` greedily with ``cfg`` on a fresh vLLM engine (the CLI's path)."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty: nothing to condition on")
+    with engine(engine_kwargs(cfg, method_flags(cfg))) as llm:
+        from vllm import SamplingParams
+
+        from vllm_prove.engine import metrics
+
+        before = metrics.from_engine_metrics(llm.get_metrics())
+        results, run = drive(llm, prompts, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens), cfg.batch_size)
+        spec = metrics.from_engine_metrics(llm.get_metrics()) - before
+    return results, summarize(cfg, results, run, spec)
+

@@ -1,0 +1,209 @@
+"""Side-by-side benchmark inside vLLM's engine (`vllm-prove bench --engine vllm`, `make demo`).
+
+One process, one run: every configuration decodes the same prompts greedily on its own
+engine, at each number of requests in flight, right after the others, so the ratios are
+comparable (absolute times on these noisy machines are not, across runs). Rows:
+
+- vLLM AR; vLLM's draft-model SD with the zoo verifier as the drafter (k = 3, 5); vLLM's
+  built-in self parallel drafting (the proposer loaded again as its own draft); MARS tau;
+  ProVe theta in {0.1, 0.05, 0.01}; ProVe-lossless. Optionally AR and lossless in bf16.
+
+Columns: tokens/s and its ratio to AR at the same concurrency, committed tokens per cycle
+(engine steps that gave a request tokens), `=AR` (share of tokens inside the common prefix
+with vLLM AR's output for the same prompt), `off-argmax` (share of tokens that are not the
+fp32 proposer's argmax given the emitted prefix, checked with transformers: the bf16
+divergence rate of the paper, and the lossy modes' departure from greedy), peak resident
+memory of the engine's processes, KV-cache capacity in tokens, the cost model's ideal speedup
+from pass costs measured in this process, and efficiency = measured ratio / ideal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm_prove.config import DecodeConfig, Method
+from vllm_prove.core.cost_model import ideal_speedup
+from vllm_prove.engine import generate as engine_gen
+from vllm_prove.eval.bench import _fmt, cycle_cost, pass_costs
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    label: str
+    overrides: dict = field(default_factory=dict)  # DecodeConfig fields
+    parallel_draft: bool = False  # vLLM's built-in self parallel drafting instead of `method`
+
+    def config(self, **common) -> DecodeConfig:
+        return DecodeConfig(**{**common, **self.overrides})
+
+    def flags(self, cfg: DecodeConfig) -> dict:
+        return engine_gen.parallel_draft_flags(cfg) if self.parallel_draft else engine_gen.method_flags(cfg)
+
+
+ENGINE_RUNS = [
+    EngineRun("ar", {"method": Method.AR}),
+    EngineRun("sd k=3", {"method": Method.SD, "k": 3}),
+    EngineRun("sd k=5", {"method": Method.SD, "k": 5}),
+    EngineRun("parallel-draft", {"method": Method.PROVE_LOSSLESS}, parallel_draft=True),
+    EngineRun("mars tau=0.95", {"method": Method.MARS, "tau": 0.95}),
+    EngineRun("prove theta=0.1", {"method": Method.PROVE, "theta": 0.1}),
+    EngineRun("prove theta=0.05", {"method": Method.PROVE, "theta": 0.05}),
+    EngineRun("prove theta=0.01", {"method": Method.PROVE, "theta": 0.01}),
+    EngineRun("prove-lossless", {"method": Method.PROVE_LOSSLESS}),
+]
+BF16_RUNS = [
+    EngineRun("ar bf16", {"method": Method.AR, "dtype": "bfloat16"}),
+    EngineRun("prove-lossless bf16", {"method": Method.PROVE_LOSSLESS, "dtype": "bfloat16"}),
+]
+PROBE = ("def main():\n", 8)  # the speed probe every engine passes before it is measured
+
+
+def engine_peak_rss_mb() -> float:
+    """Peak resident memory (VmHWM) of this process's children: vLLM's engine processes."""
+    import psutil
+
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            status = Path(f"/proc/{child.pid}/status").read_text()
+        except OSError:  # not Linux, or the child is gone
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return round(total / 1024, 1)
+
+
+def kv_capacity_tokens(llm) -> int:
+    """Tokens the engine's KV cache holds (blocks x block size) under the same memory budget."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return int((cache.num_gpu_blocks or 0) * cache.block_size)
+
+
+@torch.no_grad()
+def off_argmax_share(model, results) -> float:
+    """Share of generated tokens that differ from ``model``'s fp32 argmax given the prompt and
+    the tokens emitted before them (teacher-forced, one pass per request)."""
+    off = total = 0
+    for res in results:
+        if not res.token_ids:
+            continue
+        ids = torch.tensor([res.prompt_token_ids + res.token_ids])
+        logits = model(ids).logits[0, len(res.prompt_token_ids) - 1: -1]  # [num_tokens, vocab]
+        off += int((logits.argmax(-1) != torch.tensor(res.token_ids)).sum())
+        total += len(res.token_ids)
+    return off / total if total else 0.0
+
+
+def same_as_reference_share(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of tokens inside each output's common prefix with the reference output."""
+    common = 0
+    for a, b in zip(tokens, reference):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        common += n
+    return common / max(1, sum(len(a) for a in tokens))
+
+
+def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 4, 16), runs=None,
+                     bf16: bool = False, out_dir: str | Path | None = None, log=print) -> dict:
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from vllm_prove.engine import metrics
+    from vllm_prove.reference.runner import zoo_path
+
+    runs = list(ENGINE_RUNS if runs is None else runs) + (BF16_RUNS if bf16 else [])
+    base = DecodeConfig(max_tokens=max_tokens)
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
+    proposer, verifier = load(base.proposer or zoo_path("proposer")), load(base.verifier or zoo_path("verifier"))
+    costs = {n: pass_costs(proposer, verifier, base.block_size, rows=n) for n in in_flight}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    rows, reference = [], {}  # reference[(dtype, n)]: AR's tokens per prompt
+    for run in runs:
+        cfg = run.config(max_tokens=max_tokens)
+        t_start = time.perf_counter()
+        with engine_gen.engine(engine_gen.engine_kwargs(cfg, run.flags(cfg), max_num_seqs=max(in_flight))) as llm:
+            probe, _ = engine_gen.drive(llm, [PROBE[0]], SamplingParams(temperature=0.0, max_tokens=PROBE[1]), 1)
+            if not probe[0].token_ids:
+                raise RuntimeError(f"{run.label}: the speed probe produced no tokens")
+            run_rows = []
+            for n in in_flight:
+                before = metrics.from_engine_metrics(llm.get_metrics())
+                results, driven = engine_gen.drive(llm, prompts, params, n)
+                spec = metrics.from_engine_metrics(llm.get_metrics()) - before
+                summary = engine_gen.summarize(cfg.model_copy(update={"batch_size": n}), results, driven, spec)
+                tokens = [r.token_ids for r in results]
+                if cfg.method is Method.AR:
+                    reference[(cfg.dtype, n)] = tokens
+                ar_tps = summary["tokens_per_s"] if run.label == "ar" else next(
+                    (r["tokens_per_s"] for r in rows if r["label"] == "ar" and r["in_flight"] == n), None)
+                ideal = ideal_speedup(max(1.0, summary["committed_per_cycle"]),
+                                      cycle_cost(cfg.method, cfg.k, costs[n]))
+                ratio = summary["tokens_per_s"] / ar_tps if ar_tps else None
+                ar_ref = reference.get((cfg.dtype, n))
+                row = {"label": run.label, "in_flight": n, "dtype": cfg.dtype, **summary,
+                       "ratio_to_ar": None if ratio is None else round(ratio, 3),
+                       "same_as_ar": round(same_as_reference_share(tokens, ar_ref), 4) if ar_ref else None,
+                       "off_argmax": round(off_argmax_share(proposer, results), 4),
+                       "ideal_speedup": round(ideal, 3),
+                       "efficiency": None if ratio is None else round(ratio / ideal, 3)}
+                run_rows.append(row)
+            peak, capacity = engine_peak_rss_mb(), kv_capacity_tokens(llm)
+        for row in run_rows:
+            row |= {"peak_rss_mb": peak, "kv_capacity_tokens": capacity}
+            rows.append(row)
+            log(format_row(row))
+        log(f"  ({run.label}: engine start + runs {time.perf_counter() - t_start:.0f} s)")
+    report = {"prompts": len(prompts), "max_tokens": max_tokens, "in_flight": list(in_flight),
+              "pass_seconds": {str(n): c for n, c in costs.items()}, "rows": rows,
+              "machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "torch": torch.__version__}}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(rows, out / "bench.png")
+    return report
+
+
+HEADER = (f"{'method':<21}{'n':>3}{'tok/s':>8}{'x AR':>6}{'commit/cyc':>11}{'=AR':>6}{'off-argmax':>11}"
+          f"{'peak MB':>8}{'KV tok':>7}{'ideal':>7}{'eff':>6}")
+
+
+def format_row(row: dict) -> str:
+    return (f"{row['label']:<21}{row['in_flight']:>3}{_fmt(row['tokens_per_s'], '8.1f')}"
+            f"{_fmt(row['ratio_to_ar'], '6.2f')}{_fmt(row['committed_per_cycle'], '11.2f')}"
+            f"{_fmt(row['same_as_ar'], '6.3f')}{_fmt(row['off_argmax'], '11.4f')}{_fmt(row['peak_rss_mb'], '8.0f')}"
+            f"{_fmt(row['kv_capacity_tokens'], '7d')}{_fmt(row['ideal_speedup'], '7.2f')}{_fmt(row['efficiency'], '6.2f')}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Ratio to AR by requests in flight (left) and committed tokens per cycle (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    for label in labels:
+        mine = [r for r in rows if r["label"] == label]
+        ratios = [math.nan if r["ratio_to_ar"] is None else r["ratio_to_ar"] for r in mine]
+        left.plot([r["in_flight"] for r in mine], ratios, marker="o", label=label)
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set(xscale="log", xlabel="requests in flight", ylabel="tokens/s / vLLM AR", title="throughput vs AR")
+    left.legend(fontsize=7)
+    first = min(r["in_flight"] for r in rows)
+    mine = [next(r for r in rows if r["label"] == label and r["in_flight"] == first) for label in labels]
+    right.barh(labels, [r["committed_per_cycle"] for r in mine])
+    right.invert_yaxis()
+    right.set(xlabel=f"committed tokens per cycle ({first} in flight)", title="tokens per cycle")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

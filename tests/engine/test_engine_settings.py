@@ -111,6 +111,17 @@ def test_conflicting_speculative_config_names_the_key():
         _start(speculative_config=spec, additional_config=prove_config("lossless"))
 
 
+def test_verifier_sharded_unlike_the_proposer_stops_start_up():
+    spec = {"draft_tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match=r"^speculative_config\['draft_tensor_parallel_size'\] = 2: ProVe shards"):
+        _start(speculative_config=spec, additional_config=prove_config("verifier"))
+
+
+def test_pipeline_parallelism_stops_start_up():
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size = 2: ProVe supports tensor parallelism only"):
+        _start(pipeline_parallel_size=2, additional_config=prove_config("lossless"))
+
+
 def test_gated_mode_needs_a_token_budget_of_two_blocks():
     with pytest.raises(ValueError, match=r"^max_num_batched_tokens: a token budget of \d+ per step is too small for block_size=8"):
         _start(max_num_batched_tokens=8, additional_config=prove_config("mars"))

@@ -112,6 +112,24 @@ def merge_speculative_config(expected: dict[str, Any], user_spec: dict[str, Any]
     return {**user_spec, **expected}
 
 
+def check_tensor_parallel(user_spec: dict[str, Any], tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Proposer and verifier must be sharded alike: in every mode the draft's attention layers
+    write into the target's KV blocks (one block table, one slot mapping per rank), and the
+    gate reads logits that every rank has in full. vLLM's default (draft TP = target TP) is
+    that; a different ``draft_tensor_parallel_size`` is refused here. Pipeline stages would
+    split the window pass from the verifier and the gate (only the last stage has logits):
+    refused too (docs/design/multi_gpu.md)."""
+    if pipeline_parallel_size > 1:
+        raise ValueError(f"pipeline_parallel_size = {pipeline_parallel_size}: ProVe supports tensor parallelism only; "
+                         "use tensor_parallel_size (or one engine per replica)")
+    draft_tp = user_spec.get("draft_tensor_parallel_size")
+    if draft_tp is not None and draft_tp != tensor_parallel_size:
+        raise ValueError(
+            f"speculative_config['draft_tensor_parallel_size'] = {draft_tp}: ProVe shards the verifier like the "
+            f"proposer (tensor_parallel_size = {tensor_parallel_size}); leave it out"
+        )
+
+
 def _set_engine_class(args, name: str, value: str, stock: tuple[Any, ...]) -> None:
     current = getattr(args, name)
     if current not in stock + (value,):
@@ -129,6 +147,7 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
     verifier = None
     if settings.mode is EngineMode.VERIFIER:
         verifier = resolve_verifier(settings, user_spec, args.model, args.trust_remote_code)
+    check_tensor_parallel(user_spec, args.tensor_parallel_size, args.pipeline_parallel_size)
     expected = speculative_config_for(settings, args.model, verifier)
     args.speculative_config = merge_speculative_config(expected, user_spec, settings)
     resolved = settings.model_copy(update={"mask_token_id": mask_token_id, "verifier": verifier})

@@ -43,7 +43,7 @@ ARCH = {  # Qwen2 shapes; head_dim 64 is one the CPU and CUDA attention backends
 }
 
 SCALES = {  # optimizer steps per stage; `smoke` exercises the whole recipe in ~1 minute
-    "full": dict(verifier_ar=800, proposer_ar=300, proposer_mars=250, verifier_ft=120, gen_prompts=512),
+    "full": dict(verifier_ar=500, proposer_ar=250, proposer_mars=560, verifier_ft=120, gen_prompts=512),
     "smoke": dict(verifier_ar=4, proposer_ar=4, proposer_mars=4, verifier_ft=3, gen_prompts=8),
 }
 
@@ -107,9 +107,9 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
     log["verifier_ar"] = train(verifier, train_ds, _stage({**base, "objective": "ar", "lr": 2e-3},
                                steps["verifier_ar"]), out_dir=work / "verifier_ar", desc="verifier AR", resume=resume)
     proposer = make_model("proposer", tok)
-    log["proposer_ar"] = train(proposer, train_ds, _stage({**base, "objective": "ar", "lr": 1.5e-3},
+    log["proposer_ar"] = train(proposer, train_ds, _stage({**base, "objective": "ar", "lr": 2.5e-3},
                                steps["proposer_ar"]), out_dir=work / "proposer_ar", desc="proposer AR", resume=resume)
-    log["proposer_mars"] = train(proposer, train_ds, _stage({**base, "objective": "mars", "lr": 1e-3},
+    log["proposer_mars"] = train(proposer, train_ds, _stage({**base, "objective": "mars", "lr": 1.5e-3},
                                  steps["proposer_mars"]), mask_token_id=tok.mask_token_id,
                                  out_dir=work / "proposer_mars", desc="proposer MARS", resume=resume)
     save_bf16(proposer, tok, out_dir / "proposer")

@@ -12,6 +12,10 @@ QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
                      r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"  # the MARS placeholder; its id goes to config.json as `mask_token_id`
+# A plain-text chat template, so OpenAI chat requests work against the zoo (the models were
+# never chat-tuned: this only renders messages as text the base model continues).
+CHAT_TEMPLATE = ("{% for message in messages %}# {{ message['role'] }}:\n{{ message['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
@@ -41,5 +45,6 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
         mask_token=MASK_TOKEN,
         model_max_length=2048,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pydantic import ValidationError
@@ -108,6 +109,9 @@ def cmd_bench(args) -> int:
     if args.engine == "vllm":
         from vllm_prove.engine.generate import prepare_environment
 
+        if not args.verbose:  # the table, not every engine's start-up log (inherited by vLLM's processes)
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+            os.environ.setdefault("PYTHONWARNINGS", "ignore")
         prepare_environment()
         from vllm_prove.eval.engine_bench import HEADER, run_engine_bench
 
@@ -143,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--max-tokens", type=int, default=tokens)
         b.add_argument("--batch-sizes", type=int, nargs="+", default=bss, help="requests in flight")
         b.add_argument("--bf16", action="store_true", help="vllm: also AR and lossless in bf16 (divergence rate)")
+        b.add_argument("--verbose", action="store_true", help="vllm: keep vLLM's logs and warnings")
         b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json (and bench.png)")
     serve = sub.add_parser("serve", help="vLLM's OpenAI server with ProVe: vllm-prove serve MODEL "
                            "--additional-config '{\"prove\": {...}}' [any vllm serve flag]")

@@ -53,7 +53,7 @@ def test_pass_costs_measure_every_pass(zoo_models):
 def test_format_row_and_plot(tmp_path):
     rows = [{"label": "ar", "in_flight": n, "tokens_per_s": 100.0 * n, "ratio_to_ar": 1.0, "committed_per_cycle": 1.0,
              "same_as_ar": 1.0, "off_argmax": 0.0, "peak_rss_mb": 900.0, "kv_capacity_tokens": 1000,
-             "ideal_speedup": 1.0, "efficiency": 1.0} for n in (1, 4)]
+             "ideal_speedup": 1.0, "efficiency": 1.0, "ms_per_step": 5.0} for n in (1, 4)]
     rows.append(rows[0] | {"label": "prove-lossless", "ratio_to_ar": None, "efficiency": None, "same_as_ar": None})
     assert engine_bench.format_row(rows[0]).split()[:3] == ["ar", "1", "100.0"]
     assert engine_bench.format_row(rows[-1]).count("-") >= 3  # missing values print as '-'

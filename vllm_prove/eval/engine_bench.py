@@ -199,12 +199,16 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = list(dict.fromkeys(r["label"] for r in rows))
+    left.set_prop_cycle(color=plt.cm.tab20.colors)  # distinct colours for up to 20 methods
     for label in labels:
         mine = [r for r in rows if r["label"] == label]
         ratios = [math.nan if r["ratio_to_ar"] is None else r["ratio_to_ar"] for r in mine]
         left.plot([r["in_flight"] for r in mine], ratios, marker="o", label=label)
     left.axhline(1.0, color="grey", lw=0.8)
+    in_flight = sorted({r["in_flight"] for r in rows})
     left.set(xscale="log", xlabel="requests in flight", ylabel="tokens/s / vLLM AR", title="throughput vs AR")
+    left.set_xticks(in_flight, [str(n) for n in in_flight])
+    left.minorticks_off()
     left.legend(fontsize=7)
     first = min(r["in_flight"] for r in rows)
     mine = [next(r for r in rows if r["label"] == label and r["in_flight"] == first) for label in labels]

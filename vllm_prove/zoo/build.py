@@ -1,6 +1,6 @@
 """`vllm-prove zoo build`: train the tiny proposer and verifier on the stdlib corpus.
 
-Recipe (all on CPU, about 25 minutes on 2 cores at scale `full`):
+Recipe (all on CPU, about 28 minutes on 2 idle cores at scale `full`):
   1. byte-level BPE tokenizer (4,096 ids incl. `<|endoftext|>`, `<|mask|>`) on the train files;
   2. verifier (~0.9M params, Qwen2): AR pre-training;
   3. proposer (~5.8M params, Qwen2): stage 1 AR, stage 2 MARS block training with B = 8;

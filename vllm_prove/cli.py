@@ -74,8 +74,9 @@ def cmd_zoo(args) -> int:
     if args.zoo_cmd == "build":
         from vllm_prove.zoo.build import build_zoo
 
-        manifest = build_zoo(args.out or ZOO_DIR, scale=args.scale, seed=args.seed)
-        print(json.dumps({k: manifest[k] for k in ("models", "proposer_block_match_rate", "build_seconds")}, indent=2))
+        manifest = build_zoo(args.out or ZOO_DIR, scale=args.scale, seed=args.seed, resume=args.resume)
+        print(json.dumps({k: manifest[k] for k in ("models", "proposer_block_match_rate", "proposer_matching_prefix",
+                                                   "build_seconds")}, indent=2))
     else:
         path = ZOO_DIR / "manifest.json"
         if not path.exists():
@@ -153,10 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "--additional-config '{\"prove\": {...}}' [any vllm serve flag]")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")
     zoo = sub.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_cmd", required=True)
-    build = zoo.add_parser("build", help="train the zoo (~30 min on 2 cores)")
+    build = zoo.add_parser("build", help="train the zoo (~80 min on 2 cores)")
     build.add_argument("--scale", choices=["full", "smoke"], default="full")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--out", help="output folder (default: the packaged zoo)")
+    build.add_argument("--resume", action="store_true", help="continue an interrupted build from OUT.work/")
     zoo.add_parser("info", help="print the zoo manifest")
     train = sub.add_parser("train", help="training recipes").add_subparsers(dest="train_cmd", required=True)
     for name, text in (("mars", "MARS block training of any HF causal LM"),

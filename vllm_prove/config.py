@@ -88,6 +88,12 @@ class TrainConfig(_Strict):
     """B of the MARS block mask; must equal the decoding block size."""
     ar_weight: float = Field(1.0, ge=0.0)
     """Weight of the clean-copy CE in the MARS loss."""
+    block_size_mix: tuple[int, ...] = ()
+    """MARS: if set, every step draws its block size from these (one model then serves every
+    decoding B up to the largest: a smaller block is a prefix of a larger one's layout)."""
+    soft_weight: float = Field(0.0, ge=0.0, le=1.0)
+    """Self-distillation: share of the block loss that is KL to the teacher's next-token
+    distribution (0 = hard greedy targets only; needs a teacher)."""
     lr: float = Field(1e-3, gt=0.0, le=1.0)
     """Peak AdamW learning rate (cosine decay to 10%)."""
     weight_decay: float = Field(0.1, ge=0.0)
@@ -101,6 +107,13 @@ class TrainConfig(_Strict):
     seed: int = 0
     checkpoint_every: int = Field(200, ge=1)
     """Steps between checkpoints (model + optimizer + RNG); `--resume` continues from the last."""
+
+    @model_validator(mode="after")
+    def _block_mix_in_range(self) -> "TrainConfig":
+        bad = [b for b in self.block_size_mix if not 2 <= b <= 64]
+        if bad:
+            raise ValueError(f"block_size_mix: every block size must be in [2, 64], got {bad}")
+        return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":

@@ -86,11 +86,31 @@ def model_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
                      f"mask); the model uses {impl!r}")
 
 
-def mars_loss(model, batch: TokenBatch, mask_token_id: int, block_size: int, ar_weight: float = 1.0) -> dict:
+def shifted_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """Mean KL(teacher || student) of the next-token distributions at `i` (predicting `i+1`),
+    over response targets only: the soft version of `shifted_ce` against the teacher's argmax."""
+    # logits, teacher_logits: [batch, seq, vocab]
+    weight = batch.response_mask[:, 1:].float()  # [batch, seq - 1]
+    log_q = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    log_p = F.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [batch, seq - 1]
+    return (kl * weight).sum() / weight.sum().clamp(min=1.0)
+
+
+def mars_loss(model, batch: TokenBatch, mask_token_id: int, block_size: int, ar_weight: float = 1.0,
+              teacher_logits: torch.Tensor | None = None, soft_weight: float = 0.0) -> dict:
+    """MARS loss; with `teacher_logits` (the generating model's clean-copy logits on the same
+    sequence, self-distillation) the block term mixes in `soft_weight` of KL to the teacher's
+    next-token distribution: the masks learn the teacher's whole distribution, not only its argmax."""
     seq_len = batch.input_ids.shape[1]
     inputs = mars_inputs(batch, mask_token_id, block_size)
     inputs["attention_mask"] = model_attention_mask(model, inputs["attention_mask"])
     logits = model(**inputs).logits  # [batch, 2 * seq, vocab]
     ar = shifted_ce(logits[:, :seq_len], batch)
     block = shifted_ce(logits[:, seq_len:], batch)
-    return {"loss": block + ar_weight * ar, "ar": ar.detach(), "block": block.detach()}
+    parts = {"ar": ar.detach(), "block": block.detach()}
+    if teacher_logits is not None and soft_weight > 0:
+        kl = shifted_kl(logits[:, seq_len:], teacher_logits, batch)
+        block = (1 - soft_weight) * block + soft_weight * kl
+        parts["kl"] = kl.detach()
+    return {"loss": block + ar_weight * ar, **parts}

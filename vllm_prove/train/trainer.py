@@ -37,10 +37,14 @@ def _save(model, tokenizer, opt, gen, step: int, out: Path) -> None:
 
 
 def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None, out_dir: str | Path | None = None,
-          tokenizer=None, resume: bool = False, desc: str = "train", log_every: int = 20) -> dict:
-    """Train `model` in place; return `{"step", "loss", "tokens", "seconds", "tokens_per_s", "history"}`."""
+          tokenizer=None, resume: bool = False, desc: str = "train", log_every: int = 20, teacher=None) -> dict:
+    """Train `model` in place; return `{"step", "loss", "tokens", "seconds", "tokens_per_s", "history"}`.
+
+    `teacher` (frozen, self-distillation with `cfg.soft_weight > 0`) gives the soft block targets."""
     if cfg.objective == "mars" and mask_token_id is None:
         raise ValueError("objective 'mars' needs mask_token_id (config.json `mask_token_id` of the model)")
+    if cfg.soft_weight > 0 and (teacher is None or cfg.objective != "mars"):
+        raise ValueError("soft_weight > 0 needs objective 'mars' and a teacher model (self-distillation)")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -50,9 +54,12 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
     out = Path(out_dir) if out_dir is not None else None
     start = 0
     if resume and out is not None and (out / _CKPT / "trainer.pt").exists():
-        state = torch.load(out / _CKPT / "trainer.pt", weights_only=False)
+        state = torch.load(out / _CKPT / "trainer.pt", weights_only=True)
         from safetensors.torch import load_file
-        model.load_state_dict(load_file(out / _CKPT / "model.safetensors"), strict=False)
+        weights = load_file(out / _CKPT / "model.safetensors")
+        if getattr(model.config, "tie_word_embeddings", False):  # save_pretrained drops the tied copy
+            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        model.load_state_dict(weights, strict=True)
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["rng"])
         if "torch_rng" in state:  # absent from checkpoints written before it was saved
@@ -66,7 +73,14 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
             group["lr"] = _lr_at(step, cfg)
         batch = dataset.sample(cfg.batch_size, gen)
         if cfg.objective == "mars":
-            parts = mars_loss(model, batch, mask_token_id, cfg.block_size, cfg.ar_weight)
+            teacher_logits = None
+            if cfg.soft_weight > 0:
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=batch.input_ids).logits  # [batch, seq, vocab]
+            block = cfg.block_size
+            if cfg.block_size_mix:
+                block = cfg.block_size_mix[int(torch.randint(len(cfg.block_size_mix), (1,), generator=gen))]
+            parts = mars_loss(model, batch, mask_token_id, block, cfg.ar_weight, teacher_logits, cfg.soft_weight)
         else:
             parts = ar_loss(model, batch)
         opt.zero_grad(set_to_none=True)

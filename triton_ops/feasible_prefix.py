@@ -1,4 +1,4 @@
-"""Skip-policy feasible prefix ``K^`` per row of a ragged batch (methods.md §7).
+"""Skip-policy feasible prefix ``K^`` per row of a ragged batch (docs/METHODS.md §7).
 
 ``K^ = max{k <= n : B_k >= eta_b and C_k >= eta_c}`` (0 if none), with the local gate
 ``B_k = min_{j<=k} q_j`` and the prefix gate ``C_k`` one of: ``min_{j<=k} q_j``, the product

@@ -8,6 +8,7 @@ import os
 import sys
 
 from pydantic import ValidationError
+from vllm_prove.errors import ProveError
 
 
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +55,7 @@ def cmd_generate(args) -> int:
     prompts = read_prompts(args.prompts)
     if args.engine == "vllm":
         if args.track_ar_match:
-            raise ValueError("--track-ar-match: only the reference engine records per-block diagnostics")
+            raise ProveError("--track-ar-match: only the reference engine records per-block diagnostics")
         from vllm_prove.engine.generate import generate, prepare_environment
 
         prepare_environment()
@@ -92,10 +93,17 @@ def cmd_train(args) -> int:
     overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size,
                                    "seq_len": args.seq_len, "block_size": args.block_size,
                                    "ar_weight": getattr(args, "ar_weight", None),
+                                   "soft_weight": getattr(args, "soft_weight", None),
+                                   "block_size_mix": tuple(args.block_size_mix) if getattr(args, "block_size_mix", None)
+                                   else None,
                                    "checkpoint_every": args.checkpoint_every}.items() if v is not None}
-    fn = train_mars if args.train_cmd == "mars" else train_verifier
-    result = fn(model=args.model, data=args.data, out=args.out, resume=args.resume,
-                proposer=getattr(args, "proposer", None), **overrides)
+    if args.train_cmd == "mars":
+        result = train_mars(model=args.model, data=args.data, out=args.out, resume=args.resume,
+                            self_distill=args.self_distill, rounds=args.rounds, num_contexts=args.num_contexts,
+                            max_new_tokens=args.max_new_tokens, **overrides)
+    else:
+        result = train_verifier(model=args.model, data=args.data, out=args.out, resume=args.resume,
+                                proposer=args.proposer, **overrides)
     print(json.dumps({k: v for k, v in result.items() if k != "history"}))
     return 0
 
@@ -173,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument(flag, type=typ)
         if name == "mars":
             t.add_argument("--ar-weight", type=float)
+            t.add_argument("--self-distill", action="store_true",
+                           help="targets = the model's own greedy continuations of contexts from --data")
+            t.add_argument("--rounds", type=int, default=1, help="self-distill: regenerate targets this many times")
+            t.add_argument("--num-contexts", type=int, default=4096, help="self-distill: contexts per round")
+            t.add_argument("--max-new-tokens", type=int, default=64, help="self-distill: continuation length")
+            t.add_argument("--soft-weight", type=float, help="self-distill: share of KL to the teacher in the block loss")
+            t.add_argument("--block-size-mix", type=int, nargs="+", help="draw each step's block size from these")
         else:
             t.add_argument("--proposer", required=True, help="proposer whose generations train the verifier")
     return parser
@@ -189,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as err:
         print(f"vllm-prove {args.cmd}: invalid settings\n{err}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as err:
+    except ProveError as err:  # only the project's own input errors; anything else keeps its traceback
         print(f"vllm-prove {args.cmd}: error: {err}", file=sys.stderr)
         return 2
 

@@ -2,7 +2,7 @@
 
 A bad value fails at once with pydantic's message, which names the field and the allowed
 range (e.g. `theta: Input should be less than or equal to 1`). Named presets live in
-`configs/*.json` and load through `load_preset`.
+`vllm_prove/configs/*.json` and load through `load_preset`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_prove.core.rules import GateKind
+from vllm_prove.errors import ProveError
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # package data; ./configs links here
 
 
 class Method(str, enum.Enum):
-    """Decoding methods (methods.md §3-5)."""
+    """Decoding methods (docs/METHODS.md §3-5)."""
 
     AR = "ar"  # greedy, one token per proposer pass
     SD = "sd"  # small drafter, k serial steps, proposer verifies greedily
@@ -63,7 +64,7 @@ class DecodeConfig(_Strict):
 
 
 class SkipConfig(_Strict):
-    """Verifier skipping (SDD paper, methods.md §7)."""
+    """Verifier skipping (SDD paper, docs/METHODS.md §7)."""
 
     k_min: int = Field(6, ge=1)
     """K_min: shortest prefix worth committing without the verifier."""
@@ -83,7 +84,7 @@ class TrainConfig(_Strict):
     """One training stage (AR SFT or MARS block training)."""
 
     objective: Literal["ar", "mars"] = "mars"
-    """`ar`: next-token CE. `mars`: clean + noisy copies, block mask (methods.md §2)."""
+    """`ar`: next-token CE. `mars`: clean + noisy copies, block mask (docs/METHODS.md §2)."""
     block_size: int = Field(8, ge=2, le=64)
     """B of the MARS block mask; must equal the decoding block size."""
     ar_weight: float = Field(1.0, ge=0.0)
@@ -112,13 +113,13 @@ class TrainConfig(_Strict):
     def _block_mix_in_range(self) -> "TrainConfig":
         bad = [b for b in self.block_size_mix if not 2 <= b <= 64]
         if bad:
-            raise ValueError(f"block_size_mix: every block size must be in [2, 64], got {bad}")
+            raise ProveError(f"block_size_mix: every block size must be in [2, 64], got {bad}")
         return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":
         if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+            raise ProveError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
         return self
 
 
@@ -127,16 +128,16 @@ def load_preset(name: str) -> dict:
     path = CONFIGS_DIR / f"{name}.json"
     if not path.exists():
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
-        raise ValueError(f"unknown preset {name!r}; known presets: {known}")
+        raise ProveError(f"unknown preset {name!r}; known presets: {known}")
     return json.loads(path.read_text())
 
 
 class EngineMode(str, enum.Enum):
     """ProVe modes inside vLLM's V1 engine (`additional_config["prove"]["mode"]`)."""
 
-    LOSSLESS = "lossless"  # methods.md §4: mask pass over the served model's own KV, vLLM verifies
-    VERIFIER = "verifier"  # methods.md §3: a small verifier scores the block, a gate commits
-    MARS = "mars"  # methods.md §5: the tau rule, no verifier pass
+    LOSSLESS = "lossless"  # docs/METHODS.md §4: mask pass over the served model's own KV, vLLM verifies
+    VERIFIER = "verifier"  # docs/METHODS.md §3: a small verifier scores the block, a gate commits
+    MARS = "mars"  # docs/METHODS.md §5: the tau rule, no verifier pass
 
     @property
     def gated(self) -> bool:
@@ -173,7 +174,7 @@ class ProveEngineConfig(_Strict):
     @model_validator(mode="after")
     def _verifier_only_in_verifier_mode(self) -> "ProveEngineConfig":
         if self.verifier is not None and self.mode is not EngineMode.VERIFIER:
-            raise ValueError(f"verifier: only mode='verifier' reads a verifier, got mode={self.mode.value!r}")
+            raise ProveError(f"verifier: only mode='verifier' reads a verifier, got mode={self.mode.value!r}")
         return self
 
     @property
@@ -188,5 +189,5 @@ class ProveEngineConfig(_Strict):
 
     @property
     def gate_kind(self) -> GateKind:
-        """The gate a gated mode applies (MARS is the proposer-only gate, methods.md §5)."""
+        """The gate a gated mode applies (MARS is the proposer-only gate, docs/METHODS.md §5)."""
         return GateKind.PROPOSER if self.mode is EngineMode.MARS else self.gate

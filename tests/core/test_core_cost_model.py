@@ -1,4 +1,4 @@
-"""Cost model golden values (methods.md §6) and the skip break-even (§7, eq. 8)."""
+"""Cost model golden values (docs/METHODS.md §6) and the skip break-even (§7, eq. 8)."""
 
 from __future__ import annotations
 

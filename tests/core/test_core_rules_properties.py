@@ -39,7 +39,7 @@ def _gate(kind: str, proposal: BlockProposal, q: torch.Tensor, threshold: float)
 
 
 def _reference_gate_length(scores: list[float], n: int, threshold: float) -> int:
-    """methods.md §3, literally: a = max{a : s_i >= theta for every 2 <= i <= a}."""
+    """docs/METHODS.md §3, literally: a = max{a : s_i >= theta for every 2 <= i <= a}."""
     a = 1
     while a < n and scores[a] >= threshold:
         a += 1

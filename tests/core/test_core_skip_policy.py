@@ -1,4 +1,4 @@
-"""Verifier skipping (methods.md §7): K^ per prefix gate, the guards, the D / S_max rule."""
+"""Verifier skipping (docs/METHODS.md §7): K^ per prefix gate, the guards, the D / S_max rule."""
 
 from __future__ import annotations
 

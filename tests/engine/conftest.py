@@ -1,6 +1,6 @@
 """Engine tests: the environment must be set before vLLM is first imported (engine_support)."""
 
-import engine_support  # noqa: F401  (sets VLLM_CPU_KVCACHE_SPACE, VLLM_TARGET_DEVICE, offline flags)
+import engine_support  # noqa: F401  (the project's own CPU KV-cache default, as the CLI sets it)
 import pytest
 import torch
 

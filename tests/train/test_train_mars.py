@@ -1,4 +1,4 @@
-"""Unit tests of the MARS objective (methods.md §2): mask, inputs, loss, and the mask as the
+"""Unit tests of the MARS objective (docs/METHODS.md §2): mask, inputs, loss, and the mask as the
 model really reads it."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_train_mask_golden_seq6_block3():
 
 @pytest.mark.parametrize("seq_len, block", [(1, 2), (5, 2), (7, 3), (9, 4), (8, 8), (3, 8)])
 def test_train_mask_matches_the_rule_written_as_loops(seq_len, block):
-    """The rule of methods.md §2, one query/key pair at a time, incl. a ragged last block."""
+    """The rule of docs/METHODS.md §2, one query/key pair at a time, incl. a ragged last block."""
     want = torch.zeros(2 * seq_len, 2 * seq_len, dtype=torch.bool)
     for q in range(seq_len):
         for k in range(seq_len):

@@ -1,8 +1,8 @@
-"""The decisive MARS convention test (methods.md §1-2).
+"""The decisive MARS convention test (docs/METHODS.md §1-2).
 
 A tiny Qwen2 is trained from scratch, by the real training loop, with the MARS objective on
 the counting language (tests/train/train_tiny.py), whose next tokens are fully determined by
-the context. The proposer's block, read as methods.md §1 prescribes (one pass over
+the context. The proposer's block, read as docs/METHODS.md §1 prescribes (one pass over
 `context + (B-1) masks`; the output at the last real token is `y_1`, at mask `t+j` it is
 `y_{j+1}`), must then equal the proposer's own greedy AR continuation almost everywhere, at
 context lengths that do not end on a training block boundary.
@@ -47,7 +47,7 @@ def _train_proposer():
 
 @torch.no_grad()
 def _read_blocks(model, sequences: torch.Tensor, t: int) -> dict:
-    """Blocks at context length `t`: proposed (methods.md §1), read one place late, greedy AR, truth."""
+    """Blocks at context length `t`: proposed (docs/METHODS.md §1), read one place late, greedy AR, truth."""
     context = sequences[:, :t]  # [batch, t]
     masks = torch.full((context.shape[0], BLOCK), MASK_TOKEN_ID, dtype=torch.long)  # one spare for the late read
     logits = model(input_ids=torch.cat([context, masks], dim=1)).logits  # [batch, t + B, vocab]

@@ -3,7 +3,7 @@
 The counting language: `x_k = (s + k * d) mod MODULUS` with a random start `s` and stride
 `d in 1..MAX_STRIDE`. Any two consecutive tokens fix `d`, so every later token is fully
 determined by the context: a block proposer can be perfect, and its block must then equal its
-own greedy AR continuation (methods.md §2, "the decisive test").
+own greedy AR continuation (docs/METHODS.md §2, "the decisive test").
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class BlockProposal:
     """One propose pass: a block of draft tokens and the proposer's confidence in each.
 
     ``draft_token_ids[:, i]`` is ``y_{i+1}`` and ``proposer_probs[:, i]`` is ``p~_{i+1}``, the
-    max softmax of the proposer at that output (methods.md §1).
+    max softmax of the proposer at that output (docs/METHODS.md §1).
     """
 
     # [batch, block] int64: y_1..y_B, padded past num_draft_tokens

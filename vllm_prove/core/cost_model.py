@@ -1,4 +1,4 @@
-"""Cost model: ideal speedup from pass costs (methods.md §6) and the skip break-even (§7).
+"""Cost model: ideal speedup from pass costs (docs/METHODS.md §6) and the skip break-even (§7).
 
 Costs are in *proposer-pass equivalents*: one forward pass of the large model over the
 window (ProVe appendix A). A cycle costs
@@ -40,14 +40,14 @@ def rho_from_pass_times(verifier_pass_s: float, proposer_pass_s: float) -> float
 
 
 def prove_cycle_cost(rho: float, overhead: float = 0.0) -> float:
-    """ProVe cycle cost ``1 + rho + overhead`` in proposer passes (methods.md §6)."""
+    """ProVe cycle cost ``1 + rho + overhead`` in proposer passes (docs/METHODS.md §6)."""
     _check_positive("rho", rho)
     _check_non_negative("overhead", overhead)
     return 1.0 + rho + overhead
 
 
 def sd_cycle_cost(k: int, rho: float, overhead: float = 0.0) -> float:
-    """Speculative-decoding cycle cost ``1 + k * rho + overhead`` (methods.md §5, §6)."""
+    """Speculative-decoding cycle cost ``1 + k * rho + overhead`` (docs/METHODS.md §5, §6)."""
     if k < 1:
         raise ValueError(f"k (draft tokens per cycle) must be >= 1, got {k}")
     _check_positive("rho", rho)
@@ -56,7 +56,7 @@ def sd_cycle_cost(k: int, rho: float, overhead: float = 0.0) -> float:
 
 
 def lossless_cycle_cost(overhead: float = 0.0) -> float:
-    """ProVe-lossless cycle cost ``2 + overhead`` (methods.md §6)."""
+    """ProVe-lossless cycle cost ``2 + overhead`` (docs/METHODS.md §6)."""
     _check_non_negative("overhead", overhead)
     return LOSSLESS_CYCLE_COST + overhead
 
@@ -79,7 +79,7 @@ def ideal_speedup(
 
 
 def break_even_skip_length(A: float, c_D: float, c_V: float) -> float:
-    """``K* = A * c_D / (c_D + c_V)`` (SDD-skipping paper eq. 8; methods.md §7).
+    """``K* = A * c_D / (c_D + c_V)`` (SDD-skipping paper eq. 8; docs/METHODS.md §7).
 
     A strict round commits ``A`` tokens on average for ``c_D + c_V``; a skip of length ``K``
     costs ``c_D``. The skip has the higher local throughput exactly when ``K > K*``.

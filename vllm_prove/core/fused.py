@@ -7,13 +7,13 @@ under ``TRITON_INTERPRET=1``). ``triton_ops`` is imported lazily, so the core im
 runs without Triton.
 
 - ``top1_confidence``: argmax and max softmax probability per row of ``[num_tokens, vocab]``
-  logits: the proposer's block ``y_i`` and its confidence ``p~_i`` (methods.md §1).
+  logits: the proposer's block ``y_i`` and its confidence ``p~_i`` (docs/METHODS.md §1).
 - ``token_prob``: ``q_i = softmax(logits_i)[y_i]``, the teacher-forced verifier probability
-  (methods.md §3).
+  (docs/METHODS.md §3).
 - ``product_gate_ragged`` / ``lossless_greedy_ragged``: ProVe's product gate (lossy) and
   greedy verification (lossless) over vLLM's flat ragged draft layout
   (``cu_num_draft_tokens``), written in vLLM's ``[batch, max_spec_len + 1]`` output layout.
-- ``feasible_prefix_ragged``: the verifier-skipping feasible prefix ``K^`` (methods.md §7).
+- ``feasible_prefix_ragged``: the verifier-skipping feasible prefix ``K^`` (docs/METHODS.md §7).
 
 The vocabulary twins define the conventions the kernels match: fp32 arithmetic for any
 input dtype; argmax ties go to the lowest index (``torch.argmax``); a token whose logit is
@@ -191,7 +191,7 @@ def product_gate_ragged(
     max_spec_len: int,
     backend: Backend | str = Backend.AUTO,
 ) -> Verdict:  # output_token_ids [batch, max_spec_len + 1]
-    """ProVe's product gate (methods.md §3; ProVe §3.2) on a ragged batch. Lossy.
+    """ProVe's product gate (docs/METHODS.md §3; ProVe §3.2) on a ragged batch. Lossy.
 
     ``s_i = p~_i * q_i`` in fp32; commit ``y_1..y_a`` with
     ``a = max{a : s_i >= theta for every 2 <= i <= a}``; ``y_1`` is always committed and no
@@ -238,7 +238,7 @@ def lossless_greedy_ragged(
     max_spec_len: int,
     backend: Backend | str = Backend.AUTO,
 ) -> Verdict:  # output_token_ids [batch, max_spec_len + 1]
-    """Greedy verification (ProVe-lossless, methods.md §4; strict SDD, §7). Lossless.
+    """Greedy verification (ProVe-lossless, docs/METHODS.md §4; strict SDD, §7). Lossless.
 
     With ``j`` the first ``i <= n`` where ``y_i != g_i``: commit ``y_1..y_{j-1}`` (accepted)
     and ``g_j`` (recovered); if all ``n`` match, ``y_1..y_n`` and ``g_{n+1}`` (bonus). The
@@ -276,7 +276,7 @@ def feasible_prefix_ragged(
     max_spec_len: int,
     backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:  # [batch] int64: K^
-    """``K^ = max{k <= n : B_k >= eta_b and C_k >= eta_c}``, 0 if none (methods.md §7).
+    """``K^ = max{k <= n : B_k >= eta_b and C_k >= eta_c}``, 0 if none (docs/METHODS.md §7).
 
     ``B_k = min_{j<=k} q_j``; ``C_k`` is the minimum, the product (in log space) or the
     geometric mean of ``q_1..q_k`` per ``prefix_gate``; float64 arithmetic. Rows hold

@@ -1,6 +1,6 @@
 """Measurement: committed tokens per cycle, AR-matching prefix, AUC, throughput, SDD agreement.
 
-Conventions (methods.md §8): throughput is total tokens over total seconds, never a mean of
+Conventions (docs/METHODS.md §8): throughput is total tokens over total seconds, never a mean of
 per-request rates; committed tokens per cycle are reported as a mean and as a histogram
 (gpt-fast's ``accept_counts``).
 """
@@ -100,7 +100,7 @@ def auc(
 
 
 def throughput(total_tokens: int | float, total_seconds: float) -> float:
-    """Tokens per second: total generated tokens / total in-flight seconds (methods.md §8)."""
+    """Tokens per second: total generated tokens / total in-flight seconds (docs/METHODS.md §8)."""
     if total_seconds <= 0:
         raise ValueError(f"total_seconds must be > 0, got {total_seconds}")
     if total_tokens < 0:
@@ -145,7 +145,7 @@ def full_prefix_acceptance(
     # [batch]: L_b
     strict_lengths: CountsLike,
 ) -> float:
-    """FullPrefix = ``mean_b 1{K_b <= L_b}`` over rounds with ``K_b > 0`` (methods.md §7)."""
+    """FullPrefix = ``mean_b 1{K_b <= L_b}`` over rounds with ``K_b > 0`` (docs/METHODS.md §7)."""
     relaxed, strict = _relaxed_rounds(committed_lengths, strict_lengths)  # [batch] each
     return float((relaxed <= strict).double().mean())
 

@@ -5,7 +5,7 @@ Every rule works on padded ``[batch, block]`` tensors with a per-row length
 its test, then takes the longest passing prefix with the EAGLE/Medusa trick
 ``cumprod(passed).sum(-1)`` (``accepted_prefix_length``).
 
-Rules (methods.md):
+Rules (docs/METHODS.md):
 - ProVe gates, lossy, never emit a verifier token (§3, §5): ``product_gate``,
   ``verifier_only_gate``, ``proposer_only_gate`` (the MARS confidence rule).
 - Greedy verification, lossless, append a recovered or bonus token (§4, §7):
@@ -25,7 +25,7 @@ import torch
 
 from vllm_prove.core.contracts import BlockProposal, Verdict
 
-# ProVe commits y_1 whatever the scores say (it is the ordinary AR token, methods.md §1, §3).
+# ProVe commits y_1 whatever the scores say (it is the ordinary AR token, docs/METHODS.md §1, §3).
 ALWAYS_COMMITTED = 1
 
 
@@ -62,7 +62,7 @@ def product_gate(
     verifier_probs: torch.Tensor,
     theta: float,
 ) -> Verdict:
-    """ProVe's default gate (methods.md §3; ProVe §3.2). Lossy.
+    """ProVe's default gate (docs/METHODS.md §3; ProVe §3.2). Lossy.
 
     ``s_i = p~_i * q_i``; commit ``y_1..y_a`` with
     ``a = max{a : s_i >= theta for every 2 <= i <= a}``. ``y_1`` is always committed and
@@ -79,7 +79,7 @@ def verifier_only_gate(
     verifier_probs: torch.Tensor,
     theta: float,
 ) -> Verdict:
-    """Verifier-only gate (methods.md §3; ProVe appendix C). Lossy.
+    """Verifier-only gate (docs/METHODS.md §3; ProVe appendix C). Lossy.
 
     Commit ``y_1..y_a`` with ``a = max{a : q_i >= theta for every 2 <= i <= a}``;
     ``y_1`` always committed; no verifier token emitted.
@@ -89,7 +89,7 @@ def verifier_only_gate(
 
 
 def proposer_only_gate(proposal: BlockProposal, tau: float) -> Verdict:
-    """MARS confidence rule / proposer-only gate (methods.md §5; ProVe appendix C). Lossy.
+    """MARS confidence rule / proposer-only gate (docs/METHODS.md §5; ProVe appendix C). Lossy.
 
     Commit ``y_1``, then continue while ``p~_i >= tau``:
     ``a = max{a : p~_i >= tau for every 2 <= i <= a}``. No verifier pass at all.
@@ -117,7 +117,7 @@ def lossless_greedy(
     # [batch, block + 1] int64: the verifier's greedy predictions g_1..g_{B+1}
     target_token_ids: torch.Tensor,
 ) -> Verdict:
-    """Greedy verification: ProVe-lossless (methods.md §4) and Strict SDD (§7). Lossless.
+    """Greedy verification: ProVe-lossless (docs/METHODS.md §4) and Strict SDD (§7). Lossless.
 
     Let ``j`` be the first ``i <= n`` with ``y_i != g_i``: commit ``y_1..y_{j-1}`` (accepted)
     and ``g_j`` (recovered). If ``y_1..y_n`` all match: commit them and ``g_{n+1}`` (bonus).
@@ -137,7 +137,7 @@ def strict_greedy(
     # [batch, block + 1, vocab] float: target logits at the block positions plus the bonus one
     target_logits: torch.Tensor,
 ) -> Verdict:
-    """Strict SDD (methods.md §7): ``lossless_greedy`` against ``argmax_v z_j(v)``. Lossless.
+    """Strict SDD (docs/METHODS.md §7): ``lossless_greedy`` against ``argmax_v z_j(v)``. Lossless.
 
     Accept ``x_j`` while ``x_j == argmax_v z_j(v)``; target argmax at the first mismatch,
     bonus argmax if all ``n`` match.
@@ -155,7 +155,7 @@ def lenient_accept(
     target_logits: torch.Tensor,
     lenience: float,
 ) -> Verdict:
-    """Lenience (methods.md §7; SDD-skipping paper appendix A.6, eq. 9). Lossy for l < 1.
+    """Lenience (docs/METHODS.md §7; SDD-skipping paper appendix A.6, eq. 9). Lossy for l < 1.
 
     Accept ``x_j`` while ``z_j(x_j) - max_v z_j(v) >= log l``, ``0 < l <= 1``; target argmax
     at the first rejection; bonus argmax if all pass. At ``l = 1`` the paper uses the strict
@@ -182,7 +182,7 @@ def topk_accept(
     target_logits: torch.Tensor,
     k: int,
 ) -> Verdict:
-    """Top-k acceptance (methods.md §7; SDD-skipping paper appendix A.6). Lossy for k > 1.
+    """Top-k acceptance (docs/METHODS.md §7; SDD-skipping paper appendix A.6). Lossy for k > 1.
 
     Accept ``x_j`` while ``z_j(x_j) >= v_k``, the k-th largest target logit at position ``j``
     (ties with the k-th value count as inside); target argmax at the first rejection; bonus

@@ -1,4 +1,4 @@
-"""Verifier skipping for speculative diffusion decoding (methods.md §7; SDD-skipping paper §4.1).
+"""Verifier skipping for speculative diffusion decoding (docs/METHODS.md §7; SDD-skipping paper §4.1).
 
 A lossy policy that, in some rounds, commits a prefix of the diffusion draft without calling
 the target. Per round and row:

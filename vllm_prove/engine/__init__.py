@@ -32,6 +32,15 @@ from __future__ import annotations
 SUPPORTED_VLLM = "0.32.0"
 
 
+def vllm_version_supported(installed: str | None = None) -> bool:
+    """Whether the installed vLLM is ``SUPPORTED_VLLM``."""
+    if installed is None:
+        import vllm
+
+        installed = vllm.__version__
+    return installed == SUPPORTED_VLLM
+
+
 def check_vllm_version(installed: str | None = None) -> None:
     """Raise ``RuntimeError`` naming both versions unless vLLM is ``SUPPORTED_VLLM``."""
     if installed is None:

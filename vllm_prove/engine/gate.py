@@ -1,6 +1,6 @@
 """The gated modes' cycle on vLLM's flat layout (pure torch: no vLLM import).
 
-In the gated modes (ProVe with a verifier, methods.md §3; MARS, §5) vLLM's "drafts" are
+In the gated modes (ProVe with a verifier, docs/METHODS.md §3; MARS, §5) vLLM's "drafts" are
 ``B - 1`` mask placeholders, so the target pass over a request's scheduled tokens
 ``[catch-up..., u, mask x (B-1)]`` *is* the proposer's window pass. Its logits rows, in
 vLLM's spec-decode layout (``SpecDecodeMetadata.logits_indices``: ``n + 1`` rows per request
@@ -32,7 +32,7 @@ def propose_from_window(
     # [num_rows, vocab]: the window logits, rows in SpecDecodeMetadata.logits_indices order
     logits: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_rows] int64 y_i, [num_rows] float32 p~_i
-    """The block and its confidences (methods.md §1): argmax and max softmax per row."""
+    """The block and its confidences (docs/METHODS.md §1): argmax and max softmax per row."""
     return fused.top1_confidence(logits)
 
 
@@ -66,14 +66,15 @@ def apply_window_gate(
     cu_num_sampled_tokens: torch.Tensor,
     max_block: int,
 ) -> Verdict:  # output_token_ids [batch, max_block + 1]
-    """Commit ``y_1..y_a`` per request with the core's gate ``kind`` (methods.md §3, §5). Lossy.
+    """Commit ``y_1..y_a`` per request with the core's gate ``kind`` (docs/METHODS.md §3, §5). Lossy.
 
     The product gate runs ``fused.product_gate_ragged`` (the Triton kernel on CUDA); the other
     kinds scatter to the padded layout and call ``rules.apply_gate``. Rows hold 1..max_block
     tokens; ``y_1`` is always committed.
     """
     if kind is GateKind.PRODUCT:
-        assert verifier_probs is not None
+        if verifier_probs is None:
+            raise RuntimeError("the product gate needs the verifier's probabilities q_i; none were computed")
         return fused.product_gate_ragged(
             draft_token_ids, proposer_probs, verifier_probs, cu_num_sampled_tokens, threshold, max_block
         )

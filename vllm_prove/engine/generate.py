@@ -18,6 +18,7 @@ from pathlib import Path
 
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.reference.runner import RequestResult, zoo_path
+from vllm_prove.errors import ProveError
 
 # vLLM's CPU backend refuses to start without a KV-cache budget (GiB); GPUs size it themselves.
 DEFAULT_CPU_KVCACHE_GIB = "1"
@@ -27,7 +28,6 @@ def prepare_environment() -> None:
     """Environment vLLM reads at import (call before the first ``import vllm``)."""
     if not os.path.exists("/dev/nvidia0"):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -87,7 +87,7 @@ def drive(llm, prompts: list[str], params, in_flight: int) -> tuple[list[Request
     tokens (its prefill step included).
     """
     if in_flight < 1:
-        raise ValueError(f"batch_size: requests in flight must be >= 1, got {in_flight}")
+        raise ProveError(f"batch_size: requests in flight must be >= 1, got {in_flight}")
     engine_ = llm.llm_engine
     results = [RequestResult(i, p) for i, p in enumerate(prompts)]
     queue, live, started = deque(range(len(prompts))), set(), {}
@@ -137,7 +137,7 @@ def generate(cfg: DecodeConfig, prompts: list[str]) -> tuple[list[RequestResult]
     """Decode ``prompts`` greedily with ``cfg`` on a fresh vLLM engine (the CLI's path)."""
     for i, prompt in enumerate(prompts):
         if not prompt:
-            raise ValueError(f"prompt {i} is empty: nothing to condition on")
+            raise ProveError(f"prompt {i} is empty: nothing to condition on")
     with engine(engine_kwargs(cfg, method_flags(cfg))) as llm:
         from vllm import SamplingParams
 

@@ -4,24 +4,33 @@ vLLM calls ``register()`` once in every process it starts (``vllm/plugins/__init
 the front end (``EngineArgs.__post_init__``, ``vllm/engine/arg_utils.py:906``), the engine
 core (``vllm/v1/engine/core.py:129``) and each worker, before the worker class is resolved
 and before the platform's kernel overrides are registered
-(``vllm/v1/worker/worker_base.py:274-286``). It
+(``vllm/v1/worker/worker_base.py:274-286``).
 
-1. refuses any vLLM but ``SUPPORTED_VLLM`` (a ``RuntimeError`` naming both versions);
-2. on the CPU platform, re-registers the fixed expand kernel right after the platform's own
-   overrides (``cpu_fixes``): every engine on the CPU samples correctly with drafts;
-3. wraps ``EngineArgs.create_engine_config`` so that ``additional_config["prove"]`` is
-   validated and turned into vLLM's flags before the config is built (``settings``);
+A plug-in is a guest in every vLLM process of the environment, so for an engine that did not
+ask for ProVe it changes nothing but one thing, the CPU sampling fixes (2.): no version check,
+no environment variable, no other behaviour. It
+
+1. wraps ``EngineArgs.create_engine_config`` so that ``additional_config["prove"]`` is
+   validated and turned into vLLM's flags before the config is built (``settings``); that is
+   where a vLLM other than ``SUPPORTED_VLLM`` is refused (a ``RuntimeError`` naming both
+   versions), for ProVe engines only;
+2. on the CPU platform with the supported vLLM, re-registers the fixed expand kernel right
+   after the platform's own overrides (``cpu_fixes``): every engine on the CPU, ProVe or not,
+   samples correctly with drafts (the bench tables say their vLLM baselines run so);
+3. wraps ``VllmConfig.use_v2_model_runner`` so a ProVe engine's own config selects Model
+   Runner V1 (its ``_sample`` hook); other engines keep vLLM's choice;
 4. wraps ``InputProcessor._validate_params`` so the gated modes refuse, per request, the
    sampling parameters their gate does not implement (a 400 error under ``vllm serve``).
 
 Every wrap is idempotent and a no-op for engines without ``additional_config["prove"]``.
+With another vLLM release only (1.) is installed: the private hooks of (2.-4.) are not touched.
 """
 
 from __future__ import annotations
 
 import functools
 
-from vllm_prove.engine import check_vllm_version
+from vllm_prove.engine import vllm_version_supported
 
 # Attribute marking a function this plugin already wrapped (register() may run again).
 _WRAPPED = "_vllm_prove_wrapped"
@@ -29,9 +38,11 @@ _WRAPPED = "_vllm_prove_wrapped"
 
 def register() -> None:
     """Entry point; see the module docstring."""
-    check_vllm_version()
-    _wrap_cpu_kernel_overrides()
     _wrap_create_engine_config()
+    if not vllm_version_supported():  # ProVe engines are refused in create_engine_config
+        return
+    _wrap_cpu_kernel_overrides()
+    _wrap_model_runner_choice()
     _wrap_validate_params()
 
 
@@ -81,6 +92,24 @@ def _wrap_create_engine_config() -> None:
         return create_engine_config
 
     _wrap_once(EngineArgs, "create_engine_config", wrap)
+
+
+def _wrap_model_runner_choice() -> None:
+    from vllm.config import VllmConfig
+
+    from vllm_prove.engine.settings import PROVE_KEY
+
+    original = VllmConfig.__dict__["use_v2_model_runner"]  # a property; vllm/config/vllm.py
+    if getattr(original.fget, _WRAPPED, False):
+        return
+
+    def use_v2_model_runner(self) -> bool:
+        if PROVE_KEY in (self.additional_config or {}):
+            return False  # ProVe's runner mixins hook Model Runner V1's `_sample`
+        return original.fget(self)
+
+    setattr(use_v2_model_runner, _WRAPPED, True)
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner, doc=original.__doc__)
 
 
 def _wrap_validate_params() -> None:

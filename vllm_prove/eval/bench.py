@@ -3,7 +3,7 @@
 Every configuration runs on the same held-out prompts right after the others, so ratios are
 comparable (absolute times on these noisy machines are not, across runs). Columns:
 tokens/s and its ratio to AR, committed tokens per cycle, AR-matching prefix of the proposed
-blocks, the share of committed tokens that leave the greedy AR path (methods.md §8), and the
+blocks, the share of committed tokens that leave the greedy AR path (docs/METHODS.md §8), and the
 cost model's ideal speedup from pass costs measured in the same process.
 """
 
@@ -59,7 +59,7 @@ def pass_costs(proposer, verifier, block: int, rows: int = 1, ks=(3, 5), context
 
 
 def cycle_cost(method: Method, k: int, costs: dict) -> float:
-    """Cycle cost in AR-pass units from measured pass times (methods.md §6): the paper's
+    """Cycle cost in AR-pass units from measured pass times (docs/METHODS.md §6): the paper's
     `1 + rho`, `1 + k * rho`, `2` with each proposer pass at its measured width."""
     ar = costs["ar"]
     if method is Method.AR:

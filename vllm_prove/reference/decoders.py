@@ -1,4 +1,4 @@
-"""Reference decoders (methods.md §3-5): AR, SD, MARS, ProVe, ProVe-lossless.
+"""Reference decoders (docs/METHODS.md §3-5): AR, SD, MARS, ProVe, ProVe-lossless.
 
 Plain PyTorch + transformers with KV caches (`BatchedKV`), any batch size. Each decoder keeps,
 per row, the tokens it has committed but not yet written into a model's cache (`pending`):
@@ -73,7 +73,7 @@ class Decoder:
 
     # -- passes shared by the block methods ------------------------------------------------
     def _propose(self, active: list[bool]) -> BlockProposal:
-        """One proposer pass over `pending + (B-1) masks` (methods.md §1)."""
+        """One proposer pass over `pending + (B-1) masks` (docs/METHODS.md §1)."""
         rows = [self.pending[r] + [self.mask_id] * (self.B - 1) if active[r] else [] for r in range(len(active))]
         ids, lengths = pad_rows(rows, self.pad_id)
         logits = self.kv_p.extend(ids, lengths)  # [batch, n, vocab]
@@ -100,7 +100,7 @@ class Decoder:
         g = self._teacher_force(self.kv_p, empty, y[:, :-1], self.B - 1, active).argmax(-1)  # g_2..g_B
         self.kv_p.discard()
         matches = torch.ones_like(y, dtype=torch.bool)
-        matches[:, 1:] = y[:, 1:] == g  # y_1 is the AR token by construction (methods.md §1)
+        matches[:, 1:] = y[:, 1:] == g  # y_1 is the AR token by construction (docs/METHODS.md §1)
         return matches
 
     def _records(self, proposal, committed, q=None, matches=None) -> list[CycleRecord]:
@@ -133,7 +133,7 @@ class ARDecoder(Decoder):
 
 
 class MarsDecoder(Decoder):
-    """MARS confidence rule (methods.md §5): propose, commit y_1 and then while p~_i >= tau."""
+    """MARS confidence rule (docs/METHODS.md §5): propose, commit y_1 and then while p~_i >= tau."""
 
     method = Method.MARS
 
@@ -148,7 +148,7 @@ class MarsDecoder(Decoder):
 
 
 class ProveDecoder(Decoder):
-    """ProVe (methods.md §3): the proposer proposes, a small verifier scores, the gate commits."""
+    """ProVe (docs/METHODS.md §3): the proposer proposes, a small verifier scores, the gate commits."""
 
     method = Method.PROVE
 
@@ -171,7 +171,7 @@ class ProveDecoder(Decoder):
 
 
 class LosslessDecoder(Decoder):
-    """ProVe-lossless (methods.md §4): the proposer verifies its own block; greedy AR exactly."""
+    """ProVe-lossless (docs/METHODS.md §4): the proposer verifies its own block; greedy AR exactly."""
 
     method = Method.PROVE_LOSSLESS
 
@@ -191,7 +191,7 @@ class LosslessDecoder(Decoder):
 
 
 class SDDecoder(Decoder):
-    """Speculative decoding (methods.md §5): the small model drafts k tokens serially, the
+    """Speculative decoding (docs/METHODS.md §5): the small model drafts k tokens serially, the
     proposer (as target) verifies greedily. `kv_v` holds the drafter."""
 
     method = Method.SD

@@ -17,6 +17,7 @@ import torch
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.core.metrics import CycleStats, auc
 from vllm_prove.reference.decoders import DECODERS, CycleRecord
+from vllm_prove.errors import ProveError
 
 
 @dataclass
@@ -60,13 +61,13 @@ def load_models(cfg: DecodeConfig) -> Models:
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(proposer.config, "mask_token_id", None)
     needs_mask = cfg.method not in (Method.AR, Method.SD)
     if needs_mask and mask_id is None:
-        raise ValueError(f"mask_token_id: the proposer at {proposer_path} has no `mask_token_id` in config.json "
+        raise ProveError(f"mask_token_id: the proposer at {proposer_path} has no `mask_token_id` in config.json "
                          "and none was given; method %r needs one" % cfg.method.value)
     verifier = None
     if cfg.method in (Method.SD, Method.PROVE):
         verifier = load(cfg.verifier or zoo_path("verifier"))
         if verifier.config.vocab_size != proposer.config.vocab_size:
-            raise ValueError(f"verifier: vocabulary size {verifier.config.vocab_size} != proposer's "
+            raise ProveError(f"verifier: vocabulary size {verifier.config.vocab_size} != proposer's "
                              f"{proposer.config.vocab_size}; proposer and verifier must share a tokenizer")
     return Models(tok, proposer, verifier, mask_id if mask_id is not None else -1)
 
@@ -81,7 +82,7 @@ def generate(cfg: DecodeConfig, prompts: list[str], models: Models | None = None
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     for i, ids in enumerate(prompt_ids):
         if not ids:
-            raise ValueError(f"prompt {i} is empty: nothing to condition on")
+            raise ProveError(f"prompt {i} is empty: nothing to condition on")
     dec = DECODERS[cfg.method](cfg, models.proposer, models.verifier, mask_token_id=models.mask_token_id,
                                pad_id=tok.eos_token_id, track_ar_match=track_ar_match)
     eos = tok.eos_token_id if eos_token_id is None else eos_token_id
@@ -143,7 +144,7 @@ def block_diagnostics(results: list[RequestResult], block_size: int, lossy: bool
     """AR-matching prefix, per-position match rate, and AUC of p~, q, p~*q (ProVe Figure 4).
 
     `off_ar_share` (lossy methods): share of committed tokens past the block's AR-matching
-    prefix, i.e. tokens where the output leaves the greedy AR path (methods.md §8).
+    prefix, i.e. tokens where the output leaves the greedy AR path (docs/METHODS.md §8).
 
     The AUC population is the one a sequential gate sees: positions 2..B whose earlier
     positions all matched greedy AR; the label is whether the position matches too.

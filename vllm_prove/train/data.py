@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from vllm_prove.errors import ProveError
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class StreamDataset:
 
     def __init__(self, token_ids: torch.Tensor, seq_len: int):
         if token_ids.numel() < seq_len:
-            raise ValueError(f"stream of {token_ids.numel()} tokens is shorter than seq_len={seq_len}")
+            raise ProveError(f"stream of {token_ids.numel()} tokens is shorter than seq_len={seq_len}")
         self.token_ids = token_ids  # [num_tokens]
         self.seq_len = seq_len
 
@@ -42,7 +43,7 @@ class ExampleDataset:
 
     def __init__(self, examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int):
         if not examples:
-            raise ValueError("no training examples")
+            raise ProveError("no training examples")
         ids = torch.full((len(examples), seq_len), pad_id, dtype=torch.long)
         resp = torch.zeros((len(examples), seq_len), dtype=torch.bool)
         for row, (prompt, response) in enumerate(examples):
@@ -75,7 +76,7 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int):
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in {".txt", ".py", ".md"})
         if not files:
-            raise ValueError(f"--data folder {path} holds no .txt/.py/.md files")
+            raise ProveError(f"--data folder {path} holds no .txt/.py/.md files")
         return StreamDataset(encode_stream(tokenizer, [p.read_text() for p in files]), seq_len)
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -85,5 +86,5 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int):
             return ExampleDataset(examples, seq_len, tokenizer.eos_token_id)
         if all("text" in r for r in rows):
             return StreamDataset(encode_stream(tokenizer, [r["text"] for r in rows]), seq_len)
-        raise ValueError(f"{path}: every row needs `prompt` and `response`, or `text`")
+        raise ProveError(f"{path}: every row needs `prompt` and `response`, or `text`")
     return StreamDataset(encode_stream(tokenizer, [path.read_text()]), seq_len)

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_prove.train.data import ExampleDataset, StreamDataset
+from vllm_prove.errors import ProveError
 
 CONTEXT_BUCKETS = (32, 48, 64, 80, 96, 112, 128)  # context lengths (tokens) of the distillation prompts
 
@@ -47,7 +48,7 @@ def sample_contexts(stream: StreamDataset, num: int, seed: int,
     ids = stream.token_ids
     longest = max(buckets)
     if ids.numel() <= longest:
-        raise ValueError(f"corpus of {ids.numel()} tokens is shorter than the longest context ({longest})")
+        raise ProveError(f"corpus of {ids.numel()} tokens is shorter than the longest context ({longest})")
     starts = torch.randint(0, ids.numel() - longest, (num,), generator=gen).tolist()
     return [ids[s : s + buckets[i % len(buckets)]].tolist() for i, s in enumerate(starts)]
 
@@ -95,7 +96,7 @@ def build_targets(model, stream: StreamDataset, out_dir: str | Path, *, num_cont
         old = json.loads(meta_path.read_text())
         if old != meta:
             diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
-            raise ValueError(f"{out}: holds targets of another generator or settings {diff}; "
+            raise ProveError(f"{out}: holds targets of another generator or settings {diff}; "
                              f"remove the folder or choose another")
     else:
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
@@ -147,10 +148,12 @@ def greedy_agreement(reference, model, contexts: list[list[int]], max_new_tokens
 
 def self_distill_mars(model, stream: StreamDataset, cfg, *, work_dir: str | Path, mask_token_id: int, eos_id: int,
                       rounds: int = 1, num_contexts: int = 4096, max_new_tokens: int = 64, resume: bool = False,
-                      tokenizer=None, name: str = "model", desc: str = "MARS self-distill") -> list[dict]:
+                      tokenizer=None, name: str = "model", desc: str = "MARS self-distill",
+                      evaluate=None) -> list[dict]:
     """MARS training on the model's own greedy continuations, `rounds` times; each round first
     regenerates the targets with the current model (fresh contexts: seed + round) and trains
     `cfg.steps` steps on them (`cfg.soft_weight` > 0: KL to that round's generator as well).
+    `evaluate(model) -> dict`, if given, runs after every round; its result lands in the round's log.
 
     Everything lands in `work_dir/round-R/` (`targets/`, `checkpoint/`): with `resume`, finished
     rounds reload their final checkpoint and an interrupted one continues where it stopped.
@@ -168,5 +171,8 @@ def self_distill_mars(model, stream: StreamDataset, cfg, *, work_dir: str | Path
         teacher = copy.deepcopy(model).eval().requires_grad_(False) if cfg.soft_weight > 0 else None
         log = train(model, distill_dataset(examples, eos_id), cfg, mask_token_id=mask_token_id, out_dir=folder,
                     tokenizer=tokenizer, resume=resume, desc=f"{desc} {r + 1}/{rounds}", teacher=teacher)
-        logs.append(log | {"round": r, "num_examples": len(examples)})
+        log |= {"round": r, "num_examples": len(examples)}
+        if evaluate is not None:
+            log["eval"] = evaluate(model)
+        logs.append(log)
     return logs

@@ -1,4 +1,4 @@
-"""The MARS block-training objective (methods.md §2), for any HF causal LM.
+"""The MARS block-training objective (docs/METHODS.md §2), for any HF causal LM.
 
 The model reads `2L` tokens: a clean copy of the sequence and a noisy copy in which every
 response token is the mask token. Both copies use position ids `0..L-1`. Attention:
@@ -11,7 +11,7 @@ with block index = position // B from the sequence start. Labels are right-shift
 at `i` predicts the token at `i+1`), response tokens only, and
 `loss = CE(noisy logits) + ar_weight * CE(clean logits)`.
 
-At inference (methods.md §1) the context ends at `t`, masks sit at `t+1..t+B-1`; the output
+At inference (docs/METHODS.md §1) the context ends at `t`, masks sit at `t+1..t+B-1`; the output
 at mask `t+j` predicts the token `j+1` places after `t`: in training a noisy query sees
 `n` masks of its block (itself included) and predicts the token `n+1` places after the last
 clean token it sees, so the two layouts agree whatever `t` is.
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_prove.train.data import TokenBatch
+from vllm_prove.errors import ProveError
 
 
 def mars_attention_mask(seq_len: int, block_size: int) -> torch.Tensor:
@@ -82,7 +83,7 @@ def model_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
         dtype = model.dtype
         additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(dtype).min)
-    raise ValueError(f"MARS training needs attn_implementation 'sdpa' or 'eager' (a custom 4D attention "
+    raise ProveError(f"MARS training needs attn_implementation 'sdpa' or 'eager' (a custom 4D attention "
                      f"mask); the model uses {impl!r}")
 
 

@@ -1,7 +1,7 @@
 """A small, honest training loop: AdamW + cosine schedule, progress bar, checkpoints, resume.
 
 Works for any HF causal LM (the zoo's tiny Qwen2 models or a real Qwen2.5): the objective is
-`ar` (next-token CE) or `mars` (methods.md §2, see `mars.py`).
+`ar` (next-token CE) or `mars` (docs/METHODS.md §2, see `mars.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from vllm_prove.config import TrainConfig
 from vllm_prove.train.mars import ar_loss, mars_loss
+from vllm_prove.errors import ProveError
 
 _CKPT = "checkpoint"  # sub-folder of out_dir holding the latest resumable state
 
@@ -42,9 +43,9 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
 
     `teacher` (frozen, self-distillation with `cfg.soft_weight > 0`) gives the soft block targets."""
     if cfg.objective == "mars" and mask_token_id is None:
-        raise ValueError("objective 'mars' needs mask_token_id (config.json `mask_token_id` of the model)")
+        raise ProveError("objective 'mars' needs mask_token_id (config.json `mask_token_id` of the model)")
     if cfg.soft_weight > 0 and (teacher is None or cfg.objective != "mars"):
-        raise ValueError("soft_weight > 0 needs objective 'mars' and a teacher model (self-distillation)")
+        raise ProveError("soft_weight > 0 needs objective 'mars' and a teacher model (self-distillation)")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_prove.train.data import ExampleDataset
+from vllm_prove.errors import ProveError
 
 
 @torch.no_grad()
@@ -38,7 +39,7 @@ def proposer_generations(proposer, prompt_ids: list[list[int]], max_new_tokens: 
 
 def verifier_dataset(proposer, tokenizer, prompts: list[str], max_new_tokens: int, seq_len: int) -> ExampleDataset:
     if seq_len <= max_new_tokens:  # else `[-0:]` below keeps whole prompts and truncation eats the responses
-        raise ValueError(f"seq_len ({seq_len}) must exceed max_new_tokens ({max_new_tokens}) to leave room "
+        raise ProveError(f"seq_len ({seq_len}) must exceed max_new_tokens ({max_new_tokens}) to leave room "
                          f"for a prompt")
     enc = [tokenizer(p, add_special_tokens=False)["input_ids"][-(seq_len - max_new_tokens):] for p in prompts]
     examples = proposer_generations(proposer, enc, max_new_tokens, tokenizer.eos_token_id)

@@ -47,7 +47,7 @@ ARCH = {  # Qwen2 shapes; head_dim 64 is one the CPU and CUDA attention backends
 }
 
 SCALES = {  # optimizer steps per stage and self-distillation sizes; `smoke` runs the whole recipe in ~1 minute
-    "full": dict(verifier_ar=500, proposer_ar=400, distill_rounds=2, distill_steps=500, distill_contexts=8192,
+    "full": dict(verifier_ar=500, proposer_ar=400, distill_rounds=3, distill_steps=400, distill_contexts=8192,
                  verifier_ft=300, verifier_contexts=4096, agreement_contexts=64),
     "smoke": dict(verifier_ar=4, proposer_ar=4, distill_rounds=2, distill_steps=3, distill_contexts=16,
                   verifier_ft=3, verifier_contexts=16, agreement_contexts=4),
@@ -117,12 +117,17 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
     log["proposer_ar"] = train(proposer, train_ds, _stage({**base, "objective": "ar", "lr": 2.5e-3},
                                steps["proposer_ar"]), out_dir=work / "proposer_ar", desc="proposer AR", resume=resume)
     teacher = copy.deepcopy(proposer).eval()  # the AR model: what self-distillation starts from
+    windows = heldout_ds.sample(128, torch.Generator().manual_seed(99)).input_ids[:, :96]
+    log["proposer_ar"]["heldout_matching_prefix"] = round(block_match(proposer, windows, BLOCK_SIZE,
+                                                                      tok.mask_token_id)["prefix"], 3)
     distill_cfg = _stage({**base, "objective": "mars", "lr": 1e-3, "block_size_mix": TRAIN_BLOCK_SIZES},
                          steps["distill_steps"])
     rounds = self_distill_mars(proposer, train_ds, distill_cfg, work_dir=work / "proposer_distill",
                                mask_token_id=tok.mask_token_id, eos_id=tok.eos_token_id,
                                rounds=steps["distill_rounds"], num_contexts=steps["distill_contexts"],
-                               max_new_tokens=DISTILL_NEW_TOKENS, resume=resume, name="proposer")
+                               max_new_tokens=DISTILL_NEW_TOKENS, resume=resume, name="proposer",
+                               evaluate=lambda m: {"heldout_matching_prefix": round(
+                                   block_match(m, windows, BLOCK_SIZE, tok.mask_token_id)["prefix"], 3)})
     for r, round_log in enumerate(rounds):
         log[f"proposer_distill_{r}"] = round_log
     save_bf16(proposer, tok, out_dir / "proposer")
@@ -138,7 +143,6 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
 
     prompts = corpus_mod.heldout_prompts(heldout_files, NUM_HELDOUT_PROMPTS, seed=seed)
     corpus_mod.write_jsonl(prompts, out_dir / "heldout_prompts.jsonl")
-    windows = heldout_ds.sample(128, torch.Generator().manual_seed(99)).input_ids[:, :96]
     match = {b: block_match(proposer, windows, b, tok.mask_token_id) for b in (4, BLOCK_SIZE, 16)}
     manifest = {
         "command": "vllm-prove zoo build" + ("" if scale == "full" else f" --scale {scale}"),
@@ -159,8 +163,8 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
         "proposer_matching_prefix": {str(b): round(m["prefix"], 3) for b, m in match.items()},
         "greedy_agreement_with_ar_stage": greedy_agreement(
             teacher, proposer, [w.tolist() for w in windows[: steps["agreement_contexts"]]], 64, tok.eos_token_id),
-        "training": {k: {kk: v[kk] for kk in ("step", "loss", "tokens", "seconds", "tokens_per_s", "num_examples")
-                         if kk in v}
+        "training": {k: {kk: v[kk] for kk in ("step", "loss", "tokens", "seconds", "tokens_per_s", "num_examples",
+                                              "heldout_matching_prefix", "eval") if kk in v}
                      for k, v in log.items()},
         "build_seconds": round(time.perf_counter() - t_start, 1),
         "torch": torch.__version__,

@@ -14,6 +14,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from vllm_prove.errors import ProveError
 
 # Folders left out: test suites (huge, repetitive fixtures), IDLE, and installed packages.
 _EXCLUDED_PARTS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
@@ -47,7 +48,7 @@ def load_corpus(root: Path | None = None) -> list[CorpusFile]:
         if text.strip():
             files.append(CorpusFile(rel.as_posix(), text))
     if not files:
-        raise FileNotFoundError(f"no Python source found under {root}")
+        raise ProveError(f"no Python source found under {root}")
     return files
 
 

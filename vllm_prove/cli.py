@@ -6,8 +6,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
+
 from vllm_prove.errors import ProveError
 
 
@@ -118,15 +120,22 @@ def cmd_bench(args) -> int:
     if args.engine == "vllm":
         from vllm_prove.engine.generate import prepare_environment
 
-        if not args.verbose:  # the table, not every engine's start-up log (inherited by vLLM's processes)
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-            os.environ.setdefault("PYTHONWARNINGS", "ignore")
         prepare_environment()
-        from vllm_prove.eval.engine_bench import HEADER, run_engine_bench
+        from vllm_prove.eval.engine_bench import HEADER, engine_output_to, run_engine_bench, select_runs
 
-        print(HEADER, flush=True)
-        run_engine_bench(prompts, max_tokens=args.max_tokens, in_flight=args.batch_sizes, bf16=args.bf16,
-                         out_dir=args.out, log=lambda line: print(line, flush=True))
+        runs = select_runs(args.methods, args.block_sizes)
+        log_path = Path(args.out) / "engines.log"
+        if not args.verbose:
+            print(f"vLLM's logs: {log_path}", flush=True)
+        rows: list[str] = []
+        with engine_output_to(log_path, enabled=not args.verbose) as console:
+            run_engine_bench(prompts, max_tokens=args.max_tokens, in_flight=args.batch_sizes, runs=runs,
+                             bf16=args.bf16, out_dir=args.out, log=rows.append, progress=console)
+        print(HEADER)
+        print("\n".join(rows))
+        if not torch_cuda():
+            print("(every vLLM row, the baselines too, runs with the plug-in's CPU sampling fixes: "
+                  "vllm_prove/engine/README.md)")
     else:
         from vllm_prove.eval.bench import HEADER, run_bench
 
@@ -134,6 +143,12 @@ def cmd_bench(args) -> int:
         run_bench(prompts, max_tokens=args.max_tokens, batch_sizes=args.batch_sizes, out_dir=args.out)
     print(f"wrote {args.out}/bench.json" + (" and bench.png" if args.engine == "vllm" else ""))
     return 0
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cmd_serve(args) -> int:
@@ -156,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--max-tokens", type=int, default=tokens)
         b.add_argument("--batch-sizes", type=int, nargs="+", default=bss, help="requests in flight")
         b.add_argument("--bf16", action="store_true", help="vllm: also AR and lossless in bf16 (divergence rate)")
-        b.add_argument("--verbose", action="store_true", help="vllm: keep vLLM's logs and warnings")
+        b.add_argument("--verbose", action="store_true", help="vllm: vLLM's logs on the console, not in OUT/engines.log")
+        b.add_argument("--methods", nargs="+", help="vllm: only these rows (labels of the table; AR always runs)")
+        b.add_argument("--block-sizes", type=int, nargs="+", default=[],
+                       help="vllm: also lossless and ProVe theta=0.1 at these block sizes (the B sweep)")
         b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json (and bench.png)")
     serve = sub.add_parser("serve", help="vLLM's OpenAI server with ProVe: vllm-prove serve MODEL "
                            "--additional-config '{\"prove\": {...}}' [any vllm serve flag]")

@@ -122,6 +122,18 @@ def generate(llm, cases: list[Case], in_flight: int) -> list:
     return llm.generate(prompts, params, use_tqdm=False)
 
 
+def seeded_runs(llm, cases: list[Case], temperature: float = 0.8) -> dict[str, list[list[int]]]:
+    """Seeded sampled requests (seed = case index), one after another and all at once: under
+    chunked prefill their samples during a prompt's prefill are discarded (cpu_fixes)."""
+    params = [case.sampling_params().clone() for case in cases]
+    for i, sp in enumerate(params):
+        sp.temperature, sp.seed = temperature, 1000 + i
+    prompts = [case.prompt for case in cases]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    return {"alone": token_ids(alone), "together": token_ids(together)}
+
+
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 

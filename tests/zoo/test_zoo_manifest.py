@@ -43,6 +43,36 @@ def test_weights_are_small_bf16_qwen2_with_a_mask_token(manifest):
         assert 0.5e6 <= manifest["models"]["verifier"]["params"] <= 1.5e6
 
 
+@pytest.mark.slow
+def test_manifest_numbers_are_what_the_shipped_weights_give(manifest):
+    """The manifest's held-out numbers, recomputed from the committed bf16 weights (run in fp32,
+    as the build measured them): the per-position block match and the matching prefix at every
+    B it reports, the held-out loss of both models, and the greedy agreement's shape."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_prove.train.data import StreamDataset, encode_stream
+    from vllm_prove.train.trainer import heldout_loss
+    from vllm_prove.zoo.build import HELDOUT_WINDOWS, heldout_windows
+    from vllm_prove.zoo.evaluate import block_match
+
+    tok = AutoTokenizer.from_pretrained(ZOO_DIR / "proposer")
+    _, heldout = split(load_corpus())
+    stream = StreamDataset(encode_stream(tok, [f.text for f in heldout]), 256)
+    windows = heldout_windows(stream)
+    assert windows.shape == HELDOUT_WINDOWS
+    models = {role: AutoModelForCausalLM.from_pretrained(ZOO_DIR / role, dtype=torch.float32).eval()
+              for role in ("proposer", "verifier")}
+    for b, prefix in manifest["proposer_matching_prefix"].items():
+        got = block_match(models["proposer"], windows, int(b), tok.mask_token_id)
+        assert round(got["prefix"], 3) == prefix, b
+        if int(b) == manifest["block_size"]:
+            assert [round(x, 4) for x in got["rate"]] == manifest["proposer_block_match_rate"]
+    for role, model in models.items():
+        assert heldout_loss(model, stream) == pytest.approx(manifest["models"][role]["heldout_loss"], abs=2e-4)
+    agreement = manifest["greedy_agreement_with_ar_stage"]
+    assert 0.0 <= agreement["identical"] <= 1.0 and agreement["num_contexts"] > 0
+
+
 def test_heldout_prompts_come_from_heldout_files(manifest):
     rows = [json.loads(line) for line in HELDOUT_PROMPTS.read_text().splitlines()]
     assert len(rows) >= 50

@@ -32,6 +32,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 logger = init_logger(__name__)
+SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on the temperature (vllm/v1/sample/sampler.py)
 
 
 class SharedTargetProposer(DraftModelProposer):
@@ -64,6 +65,7 @@ class SelfMaskProposer(SharedTargetProposer):
             raise ValueError("SelfMaskProposer needs speculative_config['parallel_drafting'] = True")
         # vLLM read mask_token_id from the (served) draft model's config.json (l.356-385).
         self.mask_token_id = self.parallel_drafting_token_id
+        self._runner = runner
         self._draft_offsets = torch.arange(self.num_speculative_tokens, dtype=torch.int64, device=device)  # [K]
 
     def set_inputs_first_pass(
@@ -117,6 +119,36 @@ class SelfMaskProposer(SharedTargetProposer):
         )
         sample_indices = torch.arange(num_tokens, dtype=torch.int32, device=self.device)  # [batch * K]
         return num_tokens, sample_indices, drafter_cad
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
+        """vLLM's draft sampling, but a seeded request's drafts come from its own generator.
+
+        vLLM draws draft noise from the global RNG ("TODO: Consider seeds",
+        ``llm_base_proposer.py:1850``): exact in distribution, but a seeded request then samples
+        other text in another batch. Here the rows of every seeded, sampled request are redrawn
+        with its generator (``K`` exponential rows per step, whatever the batch), so the same seed
+        gives the same text alone and among any requests. Rows of requests whose sample this step
+        is discarded (a prompt still being prefilled) keep the global draw: their drafts are
+        never verified and their generator must not move.
+        """
+        draft_token_ids, draft_probs = super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        generators = sampling_metadata.generators
+        if draft_probs is None or not generators:
+            return draft_token_ids, draft_probs
+        k = self.num_speculative_tokens
+        discarded = self._runner.discard_request_mask.np if self._runner is not None else None
+        temperature = sampling_metadata.temperature  # [batch] or [batch * K]
+        for req_index, gen in generators.items():
+            if discarded is not None and discarded[req_index]:
+                continue
+            rows = slice(req_index * k, (req_index + 1) * k)
+            t = temperature[req_index * k if temperature.numel() == draft_probs.shape[0] else req_index]
+            if float(t) < SAMPLING_EPS:
+                continue  # greedy: super() took the argmax
+            probs = draft_probs[rows]  # [K, vocab] float32
+            noise = torch.empty_like(probs).exponential_(generator=gen)  # [K, vocab]
+            draft_token_ids[rows] = probs.div(noise).argmax(dim=-1).to(draft_token_ids.dtype)
+        return draft_token_ids, draft_probs
 
     def _slot_mapping(
         self,

@@ -55,6 +55,15 @@ SCALES = {  # optimizer steps per stage and self-distillation sizes; `smoke` run
 DISTILL_NEW_TOKENS = 64
 
 
+HELDOUT_WINDOWS = (128, 96)  # held-out diagnostics: 128 corpus windows, 96 tokens of context each
+
+
+def heldout_windows(heldout_ds: StreamDataset) -> torch.Tensor:
+    """The held-out contexts every manifest diagnostic reads (fixed seed) # [128, 96]."""
+    n, width = HELDOUT_WINDOWS
+    return heldout_ds.sample(n, torch.Generator().manual_seed(99)).input_ids[:, :width]
+
+
 def make_model(role: str, tokenizer, dtype=torch.float32):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -117,7 +126,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
     log["proposer_ar"] = train(proposer, train_ds, _stage({**base, "objective": "ar", "lr": 2.5e-3},
                                steps["proposer_ar"]), out_dir=work / "proposer_ar", desc="proposer AR", resume=resume)
     teacher = copy.deepcopy(proposer).eval()  # the AR model: what self-distillation starts from
-    windows = heldout_ds.sample(128, torch.Generator().manual_seed(99)).input_ids[:, :96]
+    windows = heldout_windows(heldout_ds)
     log["proposer_ar"]["heldout_matching_prefix"] = round(block_match(proposer, windows, BLOCK_SIZE,
                                                                       tok.mask_token_id)["prefix"], 3)
     distill_cfg = _stage({**base, "objective": "mars", "lr": 1e-3, "block_size_mix": TRAIN_BLOCK_SIZES},

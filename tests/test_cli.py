@@ -109,3 +109,31 @@ def test_serve_passes_every_flag_to_vllm_serve(monkeypatch):
     flags = ["MODEL", "--additional-config", '{"prove": {"mode": "lossless"}}', "--port", "8011"]
     assert main(["serve", *flags]) == 0
     assert seen["argv"] == ["serve", *flags]
+
+
+def test_zoo_prompts_cuts_heldout_prompts_from_any_code(tmp_path, capsys):
+    src = tmp_path / "pkg"
+    src.mkdir()
+    for i in range(3):
+        (src / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(30)))
+    out = tmp_path / "prompts.jsonl"
+    assert main(["zoo", "prompts", "--root", str(src), "--num", "10", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 10
+    for row in rows:
+        path, line = row["source"].rsplit(":", 1)
+        text = (src / path).read_text()
+        start = sum(len(x) for x in text.splitlines(keepends=True)[: int(line) - 1])
+        assert text[start:].startswith(row["prompt"])  # a verbatim slice at a line start
+
+
+def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
+    """Only the project's own input errors become a one-line exit 2; a bug stays a traceback."""
+    from vllm_prove import cli
+
+    def broken(args):
+        raise ValueError("an internal bug, not a user error")
+
+    monkeypatch.setitem(cli.COMMANDS, "zoo", broken)
+    with pytest.raises(ValueError, match="internal bug"):
+        main(["zoo", "info"])

@@ -80,6 +80,13 @@ def cmd_zoo(args) -> int:
         manifest = build_zoo(args.out or ZOO_DIR, scale=args.scale, seed=args.seed, resume=args.resume)
         print(json.dumps({k: manifest[k] for k in ("models", "proposer_block_match_rate", "proposer_matching_prefix",
                                                    "build_seconds")}, indent=2))
+    elif args.zoo_cmd == "prompts":
+        from vllm_prove.zoo import corpus as corpus_mod
+
+        files = corpus_mod.load_corpus(Path(args.root))
+        rows = corpus_mod.heldout_prompts(files, args.num, seed=args.seed)
+        corpus_mod.write_jsonl(rows, Path(args.out))
+        print(f"{len(rows)} prompts from {len(files)} files under {args.root} -> {args.out}")
     else:
         path = ZOO_DIR / "manifest.json"
         if not path.exists():
@@ -186,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", help="output folder (default: the packaged zoo)")
     build.add_argument("--resume", action="store_true", help="continue an interrupted build from OUT.work/")
     zoo.add_parser("info", help="print the zoo manifest")
+    prompts = zoo.add_parser("prompts", help="cut held-out prompts (as the zoo's) from any folder of Python code "
+                             "the zoo never saw, e.g. an installed package")
+    prompts.add_argument("--root", required=True, help="folder of .py files (every file counts as held out)")
+    prompts.add_argument("--num", type=int, default=64)
+    prompts.add_argument("--seed", type=int, default=0)
+    prompts.add_argument("--out", required=True, help="output .jsonl")
     train = sub.add_parser("train", help="training recipes").add_subparsers(dest="train_cmd", required=True)
     for name, text in (("mars", "MARS block training of any HF causal LM"),
                        ("verifier", "fine-tune a verifier on proposer generations")):

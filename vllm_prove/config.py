@@ -170,6 +170,10 @@ class ProveEngineConfig(_Strict):
     """Verifier checkpoint folder (`mode=verifier`); None = speculative_config["model"]."""
     mask_token_id: int | None = _DECODE_FIELDS["mask_token_id"]
     """Placeholder id; None reads `mask_token_id` from the served model's config.json."""
+    on_unsupported: Literal["fallback", "refuse"] = "fallback"
+    """Gated modes, a request the gate cannot decode exactly (temperature > 0, logprobs, n > 1,
+    penalties, ...): `fallback` decodes it in the same batch with vLLM's sampler and no window;
+    `refuse` answers 400 naming the fields."""
 
     @model_validator(mode="after")
     def _verifier_only_in_verifier_mode(self) -> "ProveEngineConfig":

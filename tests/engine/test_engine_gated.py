@@ -47,7 +47,7 @@ class GatedRun:
     per_request: list = field(default_factory=list)
     probe: dict = field(default_factory=dict)
     abort: dict = field(default_factory=dict)
-    refused: str = ""
+    mixed: dict = field(default_factory=dict)  # the fallback path beside the gate, one batch
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +75,30 @@ def _run_mode(mode: str, cases, zoo_models) -> GatedRun:
         run.greedy[IN_FLIGHT] = token_ids(outputs)
         run.per_request = [metrics.from_request(o.outputs[0].spec_decode_metrics) for o in outputs]
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
-        try:
-            llm.generate([cases[0].prompt], SamplingParams(temperature=0.8, max_tokens=4), use_tqdm=False)
-        except ValueError as err:
-            run.refused = str(err)
-        run.greedy["after_refusal"] = token_ids(generate(llm, cases[:4], IN_FLIGHT))
+        run.mixed = _mixed_batch(llm, cases)
     return run
+
+
+def _mixed_batch(llm, cases) -> dict:
+    """Greedy requests (the gate) in one batch with requests the gate cannot serve: sampled
+    (temperature 0.8, seeded), and greedy with logprobs (vLLM's sampler, no window)."""
+    from vllm import SamplingParams
+
+    chosen = cases[:24]
+    params = []
+    for i, case in enumerate(chosen):
+        if i % 3 == 0:
+            params.append(case.sampling_params())  # gate
+        elif i % 3 == 1:
+            params.append(case.sampling_params().clone())
+            params[-1].temperature, params[-1].seed = 0.8, i  # fallback: sampled
+        else:
+            params.append(case.sampling_params().clone())
+            params[-1].logprobs = 1  # fallback: greedy with logprobs
+    outputs = llm.generate([c.prompt for c in chosen], params, use_tqdm=False)
+    return {"kinds": [("gate", "sampled", "logprobs")[i % 3] for i in range(len(chosen))],
+            "tokens": token_ids(outputs), "logprobs": [o.outputs[0].logprobs for o in outputs],
+            "drafts": [metrics.from_request(o.outputs[0].spec_decode_metrics).num_drafts for o in outputs]}
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +155,31 @@ def test_gated_abort_frees_every_kv_block(run):
     assert run.abort["all_blocks_free"]
 
 
-def test_gated_mode_refuses_sampling_per_request_and_keeps_serving(run):
-    assert "temperature" in run.refused and run.mode in run.refused
-    assert run.greedy["after_refusal"] == run.greedy[IN_FLIGHT][:4]
+def test_gated_mode_serves_what_the_gate_cannot_beside_it(run, cases, zoo_models):
+    """on_unsupported = "fallback" (the default): in one batch, greedy requests go through the
+    gate (same tokens as the gate alone, windows used) while sampled and logprobs requests are
+    decoded by vLLM's sampler without windows: greedy-with-logprobs equals plain greedy AR and
+    carries the logprob of each emitted token."""
+    from vllm_prove.config import DecodeConfig, Method
+    from vllm_prove.reference.runner import generate as reference_generate
+
+    mixed = run.mixed
+    index = {k: [i for i, kind in enumerate(mixed["kinds"]) if kind == k] for k in ("gate", "sampled", "logprobs")}
+    for i in index["gate"]:
+        assert mixed["tokens"][i] == run.greedy[IN_FLIGHT][i]
+        assert mixed["logprobs"][i] is None
+    assert sum(mixed["drafts"][i] for i in index["gate"]) > 0
+    for i in index["sampled"] + index["logprobs"]:
+        assert mixed["drafts"][i] == 0  # no window: the fallback path
+        assert 0 < len(mixed["tokens"][i]) <= cases[i].max_tokens
+    ar_cfg = DecodeConfig(method=Method.AR, max_tokens=max(cases[i].max_tokens for i in index["logprobs"]))
+    ar, _ = reference_generate(ar_cfg, [cases[i].prompt for i in index["logprobs"]], zoo_models)
+    for i, reference in zip(index["logprobs"], ar):
+        got = mixed["tokens"][i]
+        assert got == truncate(reference.token_ids, cases[i], zoo_models.tokenizer.eos_token_id)
+        assert len(mixed["logprobs"][i]) == len(got)
+        for token, top in zip(got, mixed["logprobs"][i]):
+            assert token in top and top[token].logprob <= 0.0
 
 
 def test_gated_metrics_count_committed_tokens_per_cycle(run, cases):

@@ -94,11 +94,22 @@ def test_serve_completion_reports_spec_decode_metrics(server):
     assert summary.committed_per_cycle >= 1.0
 
 
-def test_serve_refuses_what_the_gate_cannot_do(server):
-    status, body = _post(f"{server}/v1/completions",
-                         {"model": PROPOSER, "prompt": "import os\n", "max_tokens": 4, "temperature": 0.7})
-    assert status == 400, body
-    assert "temperature" in json.dumps(body)
+def test_serve_answers_what_the_gate_cannot_do_by_the_fallback_path(server):
+    """The OpenAI client's default request (temperature unset: vLLM samples) and a logprobs
+    request are served without a window by vLLM's sampler; greedy requests keep the gate."""
+    status, body = _post(f"{server}/v1/completions", {"model": PROPOSER, "prompt": "import os\n", "max_tokens": 6})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] > 0
+    assert body["metrics"]["speculative_decoding"]["num_draft_tokens"] == 0  # no window: the fallback path
+    status, body = _post(f"{server}/v1/completions", {"model": PROPOSER, "prompt": "import os\n", "max_tokens": 6,
+                                                       "temperature": 0, "logprobs": 2})
+    assert status == 200, body
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == body["usage"]["completion_tokens"]
+    status, body = _post(f"{server}/v1/completions", {"model": PROPOSER, "prompt": "import os\n", "max_tokens": 24,
+                                                       "temperature": 0})
+    assert status == 200 and body["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0, body
+    assert _metric(server, 'vllm_prove:requests_total{path="fallback"}') >= 2
+    assert _metric(server, 'vllm_prove:requests_total{path="gate"}') >= 1
 
 
 def test_serve_64_concurrent_openai_clients(server):
@@ -147,7 +158,8 @@ def _metric(base: str, name: str) -> float:
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
         text = response.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if line.startswith(name + "{") or line.startswith(name + " ")
+               or ("{" in name and line.startswith(name[:-1])))
 
 
 def test_soak_lossless_server_mixed_traffic(tmp_path):

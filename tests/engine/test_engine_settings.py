@@ -241,3 +241,42 @@ def test_speculative_config_conflicting_with_additional_config_names_the_field()
     with pytest.raises(ValueError, match=r"^block_size: speculative_config\['num_speculative_tokens'\] = 4"):
         _config_summary(speculative_config={"model": "vllm_prove.lossless", "num_speculative_tokens": 4},
                         additional_config={"prove": {"block_size": 8}})
+
+
+def test_gate_support_is_read_off_sampling_params():
+    """Any SamplingParams field off its default makes a request not gate-able, except the
+    fields that never change a greedy step's token (lengths, stops, formatting)."""
+    from vllm import SamplingParams
+
+    from vllm_prove.engine.requests import unsupported_gated_params
+
+    assert unsupported_gated_params(SamplingParams(temperature=0.0, max_tokens=7, stop=["\n"], seed=3,
+                                                   top_p=0.9, skip_special_tokens=False)) == []
+    assert unsupported_gated_params(SamplingParams()) == ["temperature"]  # vLLM's default samples
+    assert unsupported_gated_params(SamplingParams(temperature=0.0, logprobs=1)) == ["logprobs"]
+    assert unsupported_gated_params(SamplingParams(temperature=0.0, logprobs=0)) == ["logprobs"]
+    resolved = SamplingParams(temperature=0.0)
+    resolved.watermarking = False  # what vLLM's input processor writes when no watermark is configured
+    assert unsupported_gated_params(resolved) == []
+    resolved.watermarking = True
+    assert unsupported_gated_params(resolved) == ["watermarking"]
+    assert unsupported_gated_params(SamplingParams(temperature=0.5, n=2)) == ["temperature", "n"]
+    assert unsupported_gated_params(SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                                   logit_bias={5: 1.0})) == ["repetition_penalty", "logit_bias"]
+
+
+def test_refuse_mode_answers_unsupported_requests_with_a_validation_error():
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_prove.engine.requests import GatedModeRequestError, check_params
+
+    def config(**prove):
+        return SimpleNamespace(additional_config={"prove": {"mode": "mars", **prove}})
+
+    sampled = SamplingParams(temperature=0.8)
+    check_params(config(), sampled)  # fallback (default): accepted
+    check_params(config(on_unsupported="refuse"), SamplingParams(temperature=0.0))  # gate-able: accepted
+    with pytest.raises(GatedModeRequestError, match=r"'mars' .* does not support temperature"):
+        check_params(config(on_unsupported="refuse"), sampled)

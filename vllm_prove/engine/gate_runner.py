@@ -11,7 +11,9 @@ of ``RejectionSampler`` and there is no pluggable acceptance rule in V1, so the 
 - runs the verifier over every step's tokens, windows or not, so its KV cache (vLLM's
   draft-model cache in the same block table) holds the same real tokens as the proposer's;
 - skips the drafter pass: the scheduler lays out each window's masks itself
-  (``ProveScheduler``), so the runner only hands back masks.
+  (``ProveScheduler``), so the runner only hands back masks;
+- serves the requests the gate cannot decode exactly (the fallback path, ``requests``) in the
+  same step: their rows (no window) take vLLM's own sampler output, logprobs included.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm_prove.config import EngineMode, ProveEngineConfig
 from vllm_prove.core import fused
 from vllm_prove.engine import gate
+from vllm_prove.engine.requests import gate_serves
 
 # Index of SchedulerOutput and of the spec-decode CommonAttentionMetadata in the
 # execute_model_state tuple unpacked by sample_tokens (gpu_model_runner.py:4317-4328).
@@ -89,9 +92,22 @@ class ProveGateRunnerMixin:
             if self.prove.mode is EngineMode.VERIFIER:
                 run_verifier(self.drafter, input_ids, positions, common_attn_metadata)
             return super()._sample(logits, spec_decode_metadata)
-        if not self.input_batch.sampling_metadata.all_greedy:
-            raise RuntimeError("ProVe's gated modes decode greedily; the front end should have refused this request")
-        return self._gate(logits, spec_decode_metadata, input_ids, positions, common_attn_metadata)
+        fallback = self._fallback_rows()
+        if not fallback:
+            return self._gate(logits, spec_decode_metadata, input_ids, positions, common_attn_metadata)
+        # vLLM's sampler over every row (on a copy: its processors may write into the logits),
+        # then the gate (one verifier pass for the whole step); the fallback rows keep vLLM's.
+        sampled = super()._sample(logits.clone(), spec_decode_metadata)
+        gated = self._gate(logits, spec_decode_metadata, input_ids, positions, common_attn_metadata)
+        token_ids = gated.sampled_token_ids.clone()  # [num_reqs, max_spec_len + 1]
+        rows = torch.tensor(fallback, device=token_ids.device)
+        token_ids[rows] = sampled.sampled_token_ids[rows].to(token_ids.dtype)
+        return SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=sampled.logprobs_tensors)
+
+    def _fallback_rows(self) -> list[int]:
+        """Batch rows of the requests the gate does not serve (no window, vLLM's sampler)."""
+        return [i for i, req_id in enumerate(self.input_batch.req_ids)
+                if req_id is not None and not gate_serves(self.requests[req_id].sampling_params)]
 
     def _gate(
         self,

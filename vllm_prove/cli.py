@@ -80,6 +80,11 @@ def cmd_zoo(args) -> int:
         manifest = build_zoo(args.out or ZOO_DIR, scale=args.scale, seed=args.seed, resume=args.resume)
         print(json.dumps({k: manifest[k] for k in ("models", "proposer_block_match_rate", "proposer_matching_prefix",
                                                    "build_seconds")}, indent=2))
+    elif args.zoo_cmd == "evaluate":
+        from vllm_prove.zoo.build import reevaluate_zoo
+
+        manifest = reevaluate_zoo(Path(args.out) if args.out else ZOO_DIR)
+        print(json.dumps({k: manifest[k] for k in ("proposer_block_match_rate", "proposer_matching_prefix")}))
     elif args.zoo_cmd == "prompts":
         from vllm_prove.zoo import corpus as corpus_mod
 
@@ -193,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", help="output folder (default: the packaged zoo)")
     build.add_argument("--resume", action="store_true", help="continue an interrupted build from OUT.work/")
     zoo.add_parser("info", help="print the zoo manifest")
+    evaluate = zoo.add_parser("evaluate", help="recompute the manifest's held-out numbers from the shipped weights")
+    evaluate.add_argument("--out", help="zoo folder (default: the packaged zoo)")
     prompts = zoo.add_parser("prompts", help="cut held-out prompts (as the zoo's) from any folder of Python code "
                              "the zoo never saw, e.g. an installed package")
     prompts.add_argument("--root", required=True, help="folder of .py files (every file counts as held out)")

@@ -82,5 +82,5 @@ def test_engine_bench_rows_memory_and_plot(tmp_path):
         assert lossless["kv_capacity_tokens"] == ar["kv_capacity_tokens"] > parallel["kv_capacity_tokens"]
         assert lossless["peak_rss_mb"] > 0
     written = json.loads((tmp_path / "bench.json").read_text())
-    assert written["rows"] == report["rows"] and set(written["pass_seconds"]) == {"1", "4"}
+    assert written["rows"] == report["rows"] and set(written["pass_seconds"]) == {"B=8 n=1", "B=8 n=4"}
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -117,3 +117,20 @@ def test_loaded_tokenizer_tokenizes_like_the_trained_pipeline():
         loaded = AutoTokenizer.from_pretrained(ZOO_DIR / role)
         assert loaded(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids
         assert loaded.mask_token_id == json.loads((ZOO_DIR / role / "config.json").read_text())["mask_token_id"]
+
+
+@pytest.mark.slow
+def test_zoo_evaluate_rewrites_nothing_on_a_consistent_zoo(tmp_path):
+    """`vllm-prove zoo evaluate` recomputes the held-out numbers from the weights: on the shipped
+    zoo (whose manifest already holds them) it changes nothing; on a stale manifest it repairs it."""
+    import shutil
+
+    from vllm_prove.cli import main
+
+    zoo = tmp_path / "models"
+    shutil.copytree(ZOO_DIR, zoo)
+    stale = json.loads((zoo / "manifest.json").read_text())
+    stale["proposer_matching_prefix"]["8"] = 0.0
+    (zoo / "manifest.json").write_text(json.dumps(stale))
+    assert main(["zoo", "evaluate", "--out", str(zoo)]) == 0
+    assert json.loads((zoo / "manifest.json").read_text()) == json.loads((ZOO_DIR / "manifest.json").read_text())

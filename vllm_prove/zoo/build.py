@@ -78,12 +78,46 @@ def make_model(role: str, tokenizer, dtype=torch.float32):
 
 
 def save_bf16(model, tokenizer, out: Path) -> None:
-    """bf16 safetensors + tokenizer; reload in fp32 gives exactly the bf16-rounded weights."""
+    """bf16 safetensors + tokenizer; the model in memory becomes exactly what loading `out` in
+    fp32 gives: bf16-rounded parameters, fp32 buffers (RoPE's inv_freq is recomputed on load,
+    not read from the file, so it must not keep the bf16 rounding of the round trip)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     model.to(torch.float32)
     for p in model.parameters():  # run evaluation on what was shipped
         p.data = p.data.to(torch.bfloat16).to(torch.float32)
+    for name, b in model.named_buffers():
+        b.data = buffers[name]
+
+
+def heldout_diagnostics(proposer, verifier, heldout_ds: StreamDataset, mask_token_id: int) -> dict:
+    """The manifest's held-out numbers of a proposer / verifier pair (fp32 forward passes)."""
+    windows = heldout_windows(heldout_ds)
+    match = {b: block_match(proposer, windows, b, mask_token_id) for b in (4, BLOCK_SIZE, 16)}
+    return {"heldout_loss": {"proposer": round(heldout_loss(proposer, heldout_ds), 4),
+                             "verifier": round(heldout_loss(verifier, heldout_ds), 4)},
+            "proposer_block_match_rate": [round(x, 4) for x in match[BLOCK_SIZE]["rate"]],
+            "proposer_matching_prefix": {str(b): round(m["prefix"], 3) for b, m in match.items()}}
+
+
+def reevaluate_zoo(out_dir: Path = ZOO_DIR) -> dict:
+    """Recompute the manifest's held-out numbers from the shipped weights, loaded as users load
+    them (`vllm-prove zoo evaluate`); write them back; return the manifest."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    tok = AutoTokenizer.from_pretrained(out_dir / "proposer")
+    _, heldout_files = corpus_mod.split(corpus_mod.load_corpus())
+    heldout_ds = StreamDataset(encode_stream(tok, [f.text for f in heldout_files]), 256)
+    load = lambda role: AutoModelForCausalLM.from_pretrained(out_dir / role, dtype=torch.float32).eval()  # noqa: E731
+    diag = heldout_diagnostics(load("proposer"), load("verifier"), heldout_ds, tok.mask_token_id)
+    for role, loss in diag.pop("heldout_loss").items():
+        manifest["models"][role]["heldout_loss"] = loss
+    manifest.update(diag)
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def check_tokenizer_roundtrip(folder: Path, trained, text: str) -> None:
@@ -152,7 +186,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
 
     prompts = corpus_mod.heldout_prompts(heldout_files, NUM_HELDOUT_PROMPTS, seed=seed)
     corpus_mod.write_jsonl(prompts, out_dir / "heldout_prompts.jsonl")
-    match = {b: block_match(proposer, windows, b, tok.mask_token_id) for b in (4, BLOCK_SIZE, 16)}
+    diag = heldout_diagnostics(proposer, verifier, heldout_ds, tok.mask_token_id)
     manifest = {
         "command": "vllm-prove zoo build" + ("" if scale == "full" else f" --scale {scale}"),
         "scale": scale,
@@ -163,13 +197,12 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
         "block_size": BLOCK_SIZE,
         "models": {
             role: {"path": role, "arch": "Qwen2", "params": sum(p.numel() for p in m.parameters()),
-                   "dtype": "bfloat16", **ARCH[role],
-                   "heldout_loss": round(heldout_loss(m, heldout_ds), 4)}
+                   "dtype": "bfloat16", **ARCH[role], "heldout_loss": diag["heldout_loss"][role]}
             for role, m in (("proposer", proposer), ("verifier", verifier))
         },
         "train_block_sizes": list(TRAIN_BLOCK_SIZES),
-        "proposer_block_match_rate": [round(x, 4) for x in match[BLOCK_SIZE]["rate"]],
-        "proposer_matching_prefix": {str(b): round(m["prefix"], 3) for b, m in match.items()},
+        "proposer_block_match_rate": diag["proposer_block_match_rate"],
+        "proposer_matching_prefix": diag["proposer_matching_prefix"],
         "greedy_agreement_with_ar_stage": greedy_agreement(
             teacher, proposer, [w.tolist() for w in windows[: steps["agreement_contexts"]]], 64, tok.eos_token_id),
         "training": {k: {kk: v[kk] for kk in ("step", "loss", "tokens", "seconds", "tokens_per_s", "num_examples",

@@ -25,7 +25,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm_prove.config import EngineMode, ProveEngineConfig
 from vllm_prove.core import fused
 from vllm_prove.engine import gate
-from vllm_prove.engine.requests import gate_serves
+from vllm_prove.engine.requests import request_gate_serves
 
 # Index of SchedulerOutput and of the spec-decode CommonAttentionMetadata in the
 # execute_model_state tuple unpacked by sample_tokens (gpu_model_runner.py:4317-4328).
@@ -107,7 +107,7 @@ class ProveGateRunnerMixin:
     def _fallback_rows(self) -> list[int]:
         """Batch rows of the requests the gate does not serve (no window, vLLM's sampler)."""
         return [i for i, req_id in enumerate(self.input_batch.req_ids)
-                if req_id is not None and not gate_serves(self.requests[req_id].sampling_params)]
+                if req_id is not None and not request_gate_serves(self.requests[req_id])]
 
     def _gate(
         self,

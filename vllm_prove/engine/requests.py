@@ -86,6 +86,17 @@ def gate_serves(params) -> bool:
     return not unsupported_gated_params(params)
 
 
+def request_gate_serves(request) -> bool:
+    """`gate_serves` of a scheduler ``Request`` or a runner ``CachedRequestState``, computed once
+    per request and kept on it (its sampling params never change; the scheduler and the runner
+    ask every step)."""
+    verdict = getattr(request, "_prove_gate_serves", None)
+    if verdict is None:
+        verdict = gate_serves(request.sampling_params)
+        request._prove_gate_serves = verdict
+    return verdict
+
+
 def check_params(vllm_config, params) -> None:
     """Refuse, in ``on_unsupported = "refuse"`` engines, a request the gate cannot decode;
     count the path of every other request of a gated mode."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from vllm_prove.engine.requests import gate_serves
+from vllm_prove.engine.requests import request_gate_serves
 from vllm_prove.engine.settings import engine_settings
 
 # vLLM's placeholder draft for requests it pads to a uniform spec-decode batch
@@ -71,7 +71,7 @@ class ProveScheduler(Scheduler):
     def window_size(self, request) -> int:
         """Masks a window of ``request`` holds: ``B - 1``, fewer near ``max_model_len`` (l.717);
         0 for a request the gate does not serve (the fallback path: no windows)."""
-        if not gate_serves(request.sampling_params):
+        if not request_gate_serves(request):
             return 0
         return min(len(self.window), self.max_model_len - 1 - request.num_tokens)
 
@@ -135,7 +135,7 @@ class ProveScheduler(Scheduler):
             if num_committed > 1:
                 request.num_computed_tokens -= num_committed - 1  # invariant 1: re-feed y_1..y_a
         for request in self.running:  # the next window's drafts; none on the fallback path
-            request.spec_token_ids = list(self.window) if gate_serves(request.sampling_params) else []
+            request.spec_token_ids = list(self.window) if request_gate_serves(request) else []
         return outputs
 
     def update_draft_token_ids(self, draft_token_ids) -> None:

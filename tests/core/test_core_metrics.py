@@ -128,3 +128,12 @@ def test_cycle_stats_summary():
     assert summary["tokens_per_second"] == pytest.approx(14.0)
     with pytest.raises(ValueError, match="seconds"):
         stats.add_time(-1.0)
+
+
+def test_common_prefix_length_counts_leading_agreement_only():
+    from vllm_prove.core.metrics import common_prefix_length
+
+    assert common_prefix_length([1, 2, 3, 9], [1, 2, 4, 9]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([5, 1], [6, 1]) == 0

@@ -48,6 +48,14 @@ def mean_committed_per_cycle(
     return float(_as_1d("committed_counts", committed_counts, torch.float64).mean())
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading tokens two token sequences share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def ar_matching_prefix_length(
     # [batch, block] int64: the proposed block y_1..y_B
     draft_token_ids: torch.Tensor,

@@ -38,6 +38,7 @@ import torch
 
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.core.cost_model import ideal_speedup
+from vllm_prove.core.metrics import common_prefix_length
 from vllm_prove.engine import generate as engine_gen
 from vllm_prove.errors import ProveError
 from vllm_prove.eval.bench import _fmt, cycle_cost, pass_costs
@@ -164,12 +165,7 @@ def off_argmax_share(model, results) -> float:
 
 def same_as_reference_share(tokens: list[list[int]], reference: list[list[int]]) -> float:
     """Share of tokens inside each output's common prefix with the reference output."""
-    common = 0
-    for a, b in zip(tokens, reference):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        common += n
+    common = sum(common_prefix_length(a, b) for a, b in zip(tokens, reference))
     return common / max(1, sum(len(a) for a in tokens))
 
 

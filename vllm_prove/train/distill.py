@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_prove.core.metrics import common_prefix_length
 from vllm_prove.train.data import ExampleDataset, StreamDataset
 from vllm_prove.errors import ProveError
 
@@ -133,12 +134,7 @@ def greedy_agreement(reference, model, contexts: list[list[int]], max_new_tokens
     divergence."""
     a = greedy_continuations(reference, contexts, max_new_tokens, eos_id, batch_size)
     b = greedy_continuations(model, contexts, max_new_tokens, eos_id, batch_size)
-    prefixes = []
-    for x, y in zip(a, b):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        prefixes.append(n)
+    prefixes = [common_prefix_length(x, y) for x, y in zip(a, b)]
     lengths = [max(len(x), 1) for x in a]
     return {"identical": round(sum(x == y for x, y in zip(a, b)) / len(a), 4),
             "mean_common_prefix": round(sum(prefixes) / len(prefixes), 2),

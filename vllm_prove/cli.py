@@ -108,6 +108,7 @@ def cmd_train(args) -> int:
                                    "seq_len": args.seq_len, "block_size": args.block_size,
                                    "ar_weight": getattr(args, "ar_weight", None),
                                    "soft_weight": getattr(args, "soft_weight", None),
+                                   "anchor": getattr(args, "anchor", None),
                                    "block_size_mix": tuple(args.block_size_mix) if getattr(args, "block_size_mix", None)
                                    else None,
                                    "checkpoint_every": args.checkpoint_every}.items() if v is not None}
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument("--num-contexts", type=int, default=4096, help="self-distill: contexts per round")
             t.add_argument("--max-new-tokens", type=int, default=64, help="self-distill: continuation length")
             t.add_argument("--soft-weight", type=float, help="self-distill: share of KL to the teacher in the block loss")
+            t.add_argument("--anchor", choices=("self", "teacher"),
+                           help="self-distill: `teacher` keeps the starting model's AR behaviour (KL anchor) "
+                                "and has it write every round's targets; `self` refreshes targets from the "
+                                "current model (default: the config's)")
             t.add_argument("--block-size-mix", type=int, nargs="+", help="draw each step's block size from these")
         else:
             t.add_argument("--proposer", required=True, help="proposer whose generations train the verifier")

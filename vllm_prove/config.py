@@ -95,6 +95,11 @@ class TrainConfig(_Strict):
     soft_weight: float = Field(0.0, ge=0.0, le=1.0)
     """Self-distillation: share of the block loss that is KL to the teacher's next-token
     distribution (0 = hard greedy targets only; needs a teacher)."""
+    anchor: Literal["self", "teacher"] = "self"
+    """Self-distillation, clean-copy term: `self` = CE on the targets (the AR behaviour follows
+    the data); `teacher` = KL to the frozen starting model at every position, and that model
+    writes every round's targets (calibrated: the fine-tuned model keeps the teacher's greedy
+    output and its likelihood of real text)."""
     lr: float = Field(1e-3, gt=0.0, le=1.0)
     """Peak AdamW learning rate (cosine decay to 10%)."""
     weight_decay: float = Field(0.1, ge=0.0)

@@ -19,6 +19,7 @@ from vllm_prove.errors import ProveError
 class TokenBatch:
     input_ids: torch.Tensor  # [batch, seq] int64
     response_mask: torch.Tensor  # [batch, seq] bool
+    valid_mask: torch.Tensor | None = None  # [batch, seq] bool, False on padding; None = all valid
 
 
 class StreamDataset:
@@ -46,15 +47,17 @@ class ExampleDataset:
             raise ProveError("no training examples")
         ids = torch.full((len(examples), seq_len), pad_id, dtype=torch.long)
         resp = torch.zeros((len(examples), seq_len), dtype=torch.bool)
+        valid = torch.zeros((len(examples), seq_len), dtype=torch.bool)
         for row, (prompt, response) in enumerate(examples):
             seq = (prompt + response)[:seq_len]
             ids[row, : len(seq)] = torch.tensor(seq)
             resp[row, len(prompt) : len(seq)] = True
-        self.input_ids, self.response_mask, self.seq_len = ids, resp, seq_len
+            valid[row, : len(seq)] = True
+        self.input_ids, self.response_mask, self.valid_mask, self.seq_len = ids, resp, valid, seq_len
 
     def sample(self, batch_size: int, gen: torch.Generator) -> TokenBatch:
         rows = torch.randint(0, self.input_ids.shape[0], (batch_size,), generator=gen)
-        return TokenBatch(self.input_ids[rows], self.response_mask[rows])
+        return TokenBatch(self.input_ids[rows], self.response_mask[rows], self.valid_mask[rows])
 
 
 def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:

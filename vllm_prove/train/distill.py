@@ -146,9 +146,12 @@ def self_distill_mars(model, stream: StreamDataset, cfg, *, work_dir: str | Path
                       rounds: int = 1, num_contexts: int = 4096, max_new_tokens: int = 64, resume: bool = False,
                       tokenizer=None, name: str = "model", desc: str = "MARS self-distill",
                       evaluate=None) -> list[dict]:
-    """MARS training on the model's own greedy continuations, `rounds` times; each round first
-    regenerates the targets with the current model (fresh contexts: seed + round) and trains
-    `cfg.steps` steps on them (`cfg.soft_weight` > 0: KL to that round's generator as well).
+    """MARS training on greedy continuations, `rounds` times, fresh contexts every round
+    (seed + round), `cfg.steps` steps each. Who writes the targets:
+    - `cfg.anchor == "self"`: the current model (targets refreshed every round);
+    - `cfg.anchor == "teacher"`: the frozen starting model, which also anchors the clean copy
+      (KL at every position), so the fine-tuned model's greedy output stays the teacher's.
+    `cfg.soft_weight` > 0 adds KL to the generator's distribution in the block term.
     `evaluate(model) -> dict`, if given, runs after every round; its result lands in the round's log.
 
     Everything lands in `work_dir/round-R/` (`targets/`, `checkpoint/`): with `resume`, finished
@@ -158,13 +161,17 @@ def self_distill_mars(model, stream: StreamDataset, cfg, *, work_dir: str | Path
 
     from vllm_prove.train.trainer import train
 
+    frozen = copy.deepcopy(model).eval().requires_grad_(False) if cfg.anchor == "teacher" else None
     logs = []
     for r in range(rounds):
         folder = Path(work_dir) / f"round-{r}"
-        examples = build_targets(model, stream, folder / "targets", num_contexts=num_contexts,
+        generator = frozen if frozen is not None else model
+        examples = build_targets(generator, stream, folder / "targets", num_contexts=num_contexts,
                                  max_new_tokens=max_new_tokens, eos_id=eos_id, seed=cfg.seed + 1000 * (r + 1),
-                                 generator_name=f"{name}@round{r}")
-        teacher = copy.deepcopy(model).eval().requires_grad_(False) if cfg.soft_weight > 0 else None
+                                 generator_name=f"{name}@{'teacher' if frozen is not None else f'round{r}'}")
+        teacher = frozen
+        if teacher is None and cfg.soft_weight > 0:
+            teacher = copy.deepcopy(model).eval().requires_grad_(False)
         log = train(model, distill_dataset(examples, eos_id), cfg, mask_token_id=mask_token_id, out_dir=folder,
                     tokenizer=tokenizer, resume=resume, desc=f"{desc} {r + 1}/{rounds}", teacher=teacher)
         log |= {"round": r, "num_examples": len(examples)}

@@ -87,11 +87,17 @@ def model_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
                      f"mask); the model uses {impl!r}")
 
 
-def shifted_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+def shifted_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, batch: TokenBatch,
+               everywhere: bool = False) -> torch.Tensor:
     """Mean KL(teacher || student) of the next-token distributions at `i` (predicting `i+1`),
-    over response targets only: the soft version of `shifted_ce` against the teacher's argmax."""
+    over response targets (the soft version of `shifted_ce` against the teacher's argmax), or
+    with `everywhere` over every non-padding target, context included."""
     # logits, teacher_logits: [batch, seq, vocab]
-    weight = batch.response_mask[:, 1:].float()  # [batch, seq - 1]
+    if everywhere:
+        valid = batch.valid_mask if batch.valid_mask is not None else torch.ones_like(batch.response_mask)
+        weight = valid[:, 1:].float()  # [batch, seq - 1]
+    else:
+        weight = batch.response_mask[:, 1:].float()  # [batch, seq - 1]
     log_q = F.log_softmax(logits[:, :-1].float(), dim=-1)
     log_p = F.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [batch, seq - 1]
@@ -99,15 +105,24 @@ def shifted_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, batch: TokenB
 
 
 def mars_loss(model, batch: TokenBatch, mask_token_id: int, block_size: int, ar_weight: float = 1.0,
-              teacher_logits: torch.Tensor | None = None, soft_weight: float = 0.0) -> dict:
-    """MARS loss; with `teacher_logits` (the generating model's clean-copy logits on the same
-    sequence, self-distillation) the block term mixes in `soft_weight` of KL to the teacher's
-    next-token distribution: the masks learn the teacher's whole distribution, not only its argmax."""
+              teacher_logits: torch.Tensor | None = None, soft_weight: float = 0.0, anchor: str = "self") -> dict:
+    """MARS loss. Self-distillation passes `teacher_logits` (the generating model's clean-copy
+    logits on the same sequence):
+    - `soft_weight` mixes KL to the teacher's next-token distribution into the block term (the
+      masks learn the teacher's whole distribution, not only its argmax);
+    - `anchor="teacher"` replaces the clean-copy CE on the targets by KL to the teacher at every
+      position, context included: the AR behaviour stays the teacher's (its greedy output and its
+      likelihood of real text) instead of sharpening onto its own argmax round after round."""
     seq_len = batch.input_ids.shape[1]
     inputs = mars_inputs(batch, mask_token_id, block_size)
     inputs["attention_mask"] = model_attention_mask(model, inputs["attention_mask"])
     logits = model(**inputs).logits  # [batch, 2 * seq, vocab]
-    ar = shifted_ce(logits[:, :seq_len], batch)
+    if anchor == "teacher":
+        if teacher_logits is None:
+            raise ProveError("anchor 'teacher' needs the teacher's logits (self-distillation)")
+        ar = shifted_kl(logits[:, :seq_len], teacher_logits, batch, everywhere=True)
+    else:
+        ar = shifted_ce(logits[:, :seq_len], batch)
     block = shifted_ce(logits[:, seq_len:], batch)
     parts = {"ar": ar.detach(), "block": block.detach()}
     if teacher_logits is not None and soft_weight > 0:

@@ -41,11 +41,14 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
           tokenizer=None, resume: bool = False, desc: str = "train", log_every: int = 20, teacher=None) -> dict:
     """Train `model` in place; return `{"step", "loss", "tokens", "seconds", "tokens_per_s", "history"}`.
 
-    `teacher` (frozen, self-distillation with `cfg.soft_weight > 0`) gives the soft block targets."""
+    `teacher` (frozen; self-distillation with `cfg.soft_weight > 0` or `cfg.anchor == "teacher"`)
+    gives the soft targets."""
     if cfg.objective == "mars" and mask_token_id is None:
         raise ProveError("objective 'mars' needs mask_token_id (config.json `mask_token_id` of the model)")
-    if cfg.soft_weight > 0 and (teacher is None or cfg.objective != "mars"):
-        raise ProveError("soft_weight > 0 needs objective 'mars' and a teacher model (self-distillation)")
+    needs_teacher = cfg.soft_weight > 0 or cfg.anchor == "teacher"
+    if needs_teacher and (teacher is None or cfg.objective != "mars"):
+        raise ProveError("soft_weight > 0 and anchor 'teacher' need objective 'mars' and a teacher model "
+                         "(self-distillation)")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -75,13 +78,14 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
         batch = dataset.sample(cfg.batch_size, gen)
         if cfg.objective == "mars":
             teacher_logits = None
-            if cfg.soft_weight > 0:
+            if needs_teacher:
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=batch.input_ids).logits  # [batch, seq, vocab]
             block = cfg.block_size
             if cfg.block_size_mix:
                 block = cfg.block_size_mix[int(torch.randint(len(cfg.block_size_mix), (1,), generator=gen))]
-            parts = mars_loss(model, batch, mask_token_id, block, cfg.ar_weight, teacher_logits, cfg.soft_weight)
+            parts = mars_loss(model, batch, mask_token_id, block, cfg.ar_weight, teacher_logits, cfg.soft_weight,
+                              cfg.anchor)
         else:
             parts = ar_loss(model, batch)
         opt.zero_grad(set_to_none=True)

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from vllm_prove.config import DecodeConfig, SkipConfig, TrainConfig, load_preset
+from vllm_prove.config import DecodeConfig, TrainConfig, load_preset
 
 
 @pytest.mark.parametrize("field,value,phrase", [
@@ -18,7 +18,13 @@ from vllm_prove.config import DecodeConfig, SkipConfig, TrainConfig, load_preset
     ("batch_size", 0, "greater than or equal to 1"),
     ("max_tokens", 0, "greater than or equal to 1"),
     ("k", 0, "greater than or equal to 1"),
-    ("method", "beam", "'ar', 'sd', 'mars', 'prove' or 'prove-lossless'"),
+    ("method", "beam", "'ar', 'sd', 'mars', 'prove', 'prove-lossless', 'sdd', 'sdd-lenience', 'sdd-topk' or 'sdd-skip'"),
+    ("gamma", 1, "greater than or equal to 2"),
+    ("lenience", 0.0, "greater than 0"),
+    ("eta_b", 1.5, "less than or equal to 1"),
+    ("s_max", 0, "greater than or equal to 1"),
+    ("k_min", -1, "greater than or equal to 0"),
+    ("signal", "vibes", "'raw', 'marginal' or 'conditional'"),
     ("gate", "sum", "'product', 'verifier' or 'proposer'"),
     ("dtype", "float16", "'float32' or 'bfloat16'"),
     ("mask_token_id", -1, "greater than or equal to 0"),
@@ -35,21 +41,22 @@ def test_unknown_field_is_rejected():
         DecodeConfig(theat=0.1)
 
 
-def test_skip_and_train_configs_reject():
-    with pytest.raises(ValidationError, match="epsilon"):
-        SkipConfig(epsilon=1.0)
+def test_sdd_and_train_configs_reject():
+    with pytest.raises(ValidationError, match=r"steps \(9\) must be <= gamma \(8\)"):
+        DecodeConfig(method="sdd", gamma=8, steps=9)
+    with pytest.raises(ValidationError, match="signal 'marginal' needs survival"):
+        DecodeConfig(method="sdd-skip", signal="marginal")
     with pytest.raises(ValidationError, match="warmup_steps"):
         TrainConfig(steps=10, warmup_steps=10)
     with pytest.raises(ValidationError, match="lr"):
         TrainConfig(lr=0)
 
 
-@pytest.mark.parametrize("name", ["tiny", "paper-32b-3b"])
+@pytest.mark.parametrize("name", ["tiny", "paper-32b-3b", "paper-sdd-diffucoder"])
 def test_presets_validate(name):
     preset = load_preset(name)
     DecodeConfig(**preset["decode"])
-    SkipConfig(**preset["skip"])
-    TrainConfig(**preset["train"])
+    TrainConfig(**preset.get("train", {}))
 
 
 def test_unknown_preset_lists_known():

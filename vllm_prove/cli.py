@@ -17,7 +17,8 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
                    help="transformers reference decoders, or vLLM's engine with the ProVe plugin")
     p.add_argument("--preset", help="configs/NAME.json: defaults for the decode settings (flags override)")
-    p.add_argument("--method", required=True, choices=["ar", "sd", "mars", "prove", "prove-lossless"])
+    p.add_argument("--method", required=True, choices=["ar", "sd", "mars", "prove", "prove-lossless",
+                                                       "sdd", "sdd-lenience", "sdd-topk", "sdd-skip"])
     p.add_argument("--proposer", help="proposer checkpoint folder (default: the zoo's)")
     p.add_argument("--verifier", help="verifier / SD drafter folder (default: the zoo's)")
     p.add_argument("--block-size", type=int)
@@ -33,6 +34,19 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary", help="SUMMARY.json")
     p.add_argument("--track-ar-match", action="store_true",
                    help="also record each block's AR-matching prefix (one extra diagnostic proposer pass)")
+    sdd = p.add_argument_group("speculative diffusion decoding (methods sdd*; the target is --proposer)")
+    sdd.add_argument("--drafter", help="diffusion drafter folder (default: the zoo's)")
+    for flag, typ, text in (("--gamma", int, "draft block length"), ("--steps", int, "T: denoising passes"),
+                            ("--lenience", float, "sdd-lenience: l in (0, 1]"),
+                            ("--top-k", int, "sdd-topk: k"), ("--k-min", int, "sdd-skip: K_min"),
+                            ("--s-max", int, "sdd-skip: S_max"), ("--eta-b", float, "sdd-skip: local gate"),
+                            ("--eta-c", float, "sdd-skip: prefix gate")):
+        sdd.add_argument(flag, type=typ, help=text)
+    sdd.add_argument("--signal", choices=["raw", "marginal", "conditional"], help="sdd-skip: the score q_j")
+    sdd.add_argument("--survival", help="sdd-skip: folder of `vllm-prove train survival` (marginal/conditional)")
+    sdd.add_argument("--no-shadow", action="store_true", help="sdd-skip: no shadow audit of skipped rounds")
+    sdd.add_argument("--trace", help="per-round traces as JSONL")
+    sdd.add_argument("--trace-features", help="survival-predictor training data (.pt) from the audited rounds")
 
 
 def _decode_config(args):
@@ -40,7 +54,11 @@ def _decode_config(args):
 
     fields = {"method": args.method, "proposer": args.proposer, "verifier": args.verifier,
               "block_size": args.block_size, "theta": args.theta, "tau": args.tau, "gate": args.gate,
-              "k": args.k, "dtype": args.dtype, "max_tokens": args.max_tokens, "batch_size": args.batch_size}
+              "k": args.k, "dtype": args.dtype, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
+              "drafter": args.drafter, "gamma": args.gamma, "steps": args.steps, "lenience": args.lenience,
+              "top_k": args.top_k, "k_min": args.k_min, "s_max": args.s_max, "eta_b": args.eta_b,
+              "eta_c": args.eta_c, "signal": args.signal, "survival": args.survival,
+              "shadow": False if args.no_shadow else None}
     defaults = {}
     if args.preset:
         from vllm_prove.config import load_preset
@@ -65,7 +83,14 @@ def cmd_generate(args) -> int:
     else:
         from vllm_prove.reference.runner import generate
 
-        results, summary = generate(cfg, prompts, track_ar_match=args.track_ar_match)
+        if (args.trace or args.trace_features) and not cfg.method.diffusion:
+            raise ProveError("--trace/--trace-features: only the SDD methods (sdd*) write per-round traces")
+        results, summary = generate(cfg, prompts, track_ar_match=args.track_ar_match,
+                                    features=bool(args.trace_features))
+        if args.trace or args.trace_features:
+            from vllm_prove.reference.sdd import write_traces
+
+            write_traces(results, args.trace or Path(args.out).with_suffix(".trace.jsonl"), args.trace_features)
     write_outputs(results, summary, args.out, args.summary)
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
     return 0
@@ -102,8 +127,16 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from vllm_prove.train.recipes import train_mars, train_verifier
+    from vllm_prove.train.recipes import train_diffusion, train_mars, train_verifier
 
+    if args.train_cmd == "survival":
+        from vllm_prove.train.survival import train_survival
+
+        signals = ["marginal", "conditional"] if args.signal == "both" else [args.signal]
+        for signal in signals:
+            report = train_survival(args.traces, signal, args.out, epochs=args.epochs).to_dict()
+            print(json.dumps({k: report[k] for k in ("signal", "mean_test_bce", "mean_baseline_test_bce", "auroc")}))
+        return 0
     overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size,
                                    "seq_len": args.seq_len, "block_size": args.block_size,
                                    "ar_weight": getattr(args, "ar_weight", None),
@@ -112,7 +145,13 @@ def cmd_train(args) -> int:
                                    "block_size_mix": tuple(args.block_size_mix) if getattr(args, "block_size_mix", None)
                                    else None,
                                    "checkpoint_every": args.checkpoint_every}.items() if v is not None}
-    if args.train_cmd == "mars":
+    if args.train_cmd == "diffusion":
+        overrides |= {k: v for k, v in {"logits_shift": args.logits_shift or None,
+                                         "min_mask_ratio": args.min_mask_ratio}.items() if v is not None}
+        result = train_diffusion(model=args.model, data=args.data, out=args.out, target=args.target,
+                                 resume=args.resume, num_contexts=args.num_contexts,
+                                 max_new_tokens=args.max_new_tokens, **overrides)
+    elif args.train_cmd == "mars":
         result = train_mars(model=args.model, data=args.data, out=args.out, resume=args.resume,
                             self_distill=args.self_distill, rounds=args.rounds, num_contexts=args.num_contexts,
                             max_new_tokens=args.max_new_tokens, **overrides)
@@ -208,8 +247,23 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--seed", type=int, default=0)
     prompts.add_argument("--out", required=True, help="output .jsonl")
     train = sub.add_parser("train", help="training recipes").add_subparsers(dest="train_cmd", required=True)
+    surv = train.add_parser("survival", help="survival predictors (marginal, conditional) from strict-SDD traces")
+    surv.add_argument("--traces", required=True, help="`generate --method sdd --trace-features` output (.pt or folder)")
+    surv.add_argument("--signal", choices=["marginal", "conditional", "both"], default="both")
+    surv.add_argument("--epochs", type=int, default=15)
+    surv.add_argument("--out", required=True, help="folder for marginal.pt / conditional.pt and report.json")
+    analyze = sub.add_parser("analyze", help="diagnostics").add_subparsers(dest="analyze_cmd", required=True)
+    perm = analyze.add_parser("permutation", help="permutation diagnostic of a skip signal (docs/METHODS.md §7)")
+    perm.add_argument("--traces", required=True, help="`generate --method sdd --trace-features` output")
+    perm.add_argument("--signal", choices=["raw", "marginal", "conditional"], default="raw")
+    perm.add_argument("--survival", help="with a survival signal: folder of `vllm-prove train survival`")
+    perm.add_argument("--eta-b", type=float, default=0.90)
+    perm.add_argument("--eta-c", type=float, default=0.93)
+    perm.add_argument("--repeats", type=int, default=100)
+    perm.add_argument("--out", help="write the result as JSON here")
     for name, text in (("mars", "MARS block training of any HF causal LM"),
-                       ("verifier", "fine-tune a verifier on proposer generations")):
+                       ("verifier", "fine-tune a verifier on proposer generations"),
+                       ("diffusion", "block-diffusion drafter training of any HF causal LM (SDD)")):
         t = train.add_parser(name, help=text)
         t.add_argument("--model", required=True, help="HF checkpoint folder to start from")
         t.add_argument("--data", required=True, help=".jsonl (prompt/response or text), .txt, or a folder")
@@ -231,13 +285,45 @@ def build_parser() -> argparse.ArgumentParser:
                                 "and has it write every round's targets; `self` refreshes targets from the "
                                 "current model (default: the config's)")
             t.add_argument("--block-size-mix", type=int, nargs="+", help="draw each step's block size from these")
+        elif name == "diffusion":
+            t.add_argument("--target", help="AR target whose greedy continuations of --data the drafter learns")
+            t.add_argument("--num-contexts", type=int, default=4096, help="with --target: contexts to continue")
+            t.add_argument("--max-new-tokens", type=int, default=64, help="with --target: continuation length")
+            t.add_argument("--logits-shift", action="store_true",
+                           help="Dream-style: the output at p - 1 predicts p (default: MDLM-style, p predicts p)")
+            t.add_argument("--min-mask-ratio", type=float, help="each block's mask ratio ~ U(this, 1)")
+            t.add_argument("--block-size-mix", type=int, nargs="+", help="draw each step's gamma from these")
         else:
             t.add_argument("--proposer", required=True, help="proposer whose generations train the verifier")
     return parser
 
 
-COMMANDS = {"generate": cmd_generate, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench, "demo": cmd_bench,
-            "serve": cmd_serve}
+def cmd_analyze(args) -> int:
+    from dataclasses import asdict
+
+    from vllm_prove.config import SkipSignal
+    from vllm_prove.core.survival import permutation_diagnostic
+    from vllm_prove.reference.sdd import SIGNAL_GATES
+    from vllm_prove.train.survival import block_scores, load_predictor, load_traces
+
+    traces = load_traces(args.traces)
+    signal = SkipSignal(args.signal)
+    scores = traces.confidence  # [batch, block]
+    if signal is not SkipSignal.RAW:
+        if not args.survival:
+            raise ProveError(f"--signal {signal.value} needs --survival (the folder of `vllm-prove train survival`)")
+        scores = block_scores(load_predictor(Path(args.survival) / f"{signal.value}.pt"), traces.hidden, traces.scalars)
+    result = permutation_diagnostic(scores, traces.accepted, traces.num_draft_tokens, args.eta_b, args.eta_c,
+                                    SIGNAL_GATES[signal], repeats=args.repeats)
+    text = json.dumps({"signal": signal.value, "eta_b": args.eta_b, "eta_c": args.eta_c} | asdict(result), indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "analyze": cmd_analyze, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench,
+            "demo": cmd_bench, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,23 @@ class Method(str, enum.Enum):
     MARS = "mars"  # proposer-only tau rule, no verifier pass
     PROVE = "prove"  # proposer + small verifier + gate (lossy)
     PROVE_LOSSLESS = "prove-lossless"  # proposer verifies itself: greedy AR exactly
+    SDD = "sdd"  # diffusion drafter, the target verifies greedily: greedy AR exactly (§7)
+    SDD_LENIENCE = "sdd-lenience"  # accept while z_j(x_j) - max z_j >= log l (lossy)
+    SDD_TOPK = "sdd-topk"  # accept while x_j is in the target's top-k (lossy)
+    SDD_SKIP = "sdd-skip"  # strict SDD, but confident prefixes commit without the target (lossy)
+
+    @property
+    def diffusion(self) -> bool:
+        """Drafts with the diffusion drafter (the SDD family)."""
+        return self.value.startswith("sdd")
+
+
+class SkipSignal(str, enum.Enum):
+    """Per-position score q_j of verifier skipping and its prefix gate (docs/METHODS.md §7)."""
+
+    RAW = "raw"  # the drafter's raw confidence; C_k = geometric mean
+    MARGINAL = "marginal"  # marginal survival predictor a^_j; C_k = min
+    CONDITIONAL = "conditional"  # conditional survival predictor s^_j; C_k = product
 
 
 class _Strict(BaseModel):
@@ -61,32 +78,60 @@ class DecodeConfig(_Strict):
     """Verifier / SD drafter checkpoint folder; None = the zoo's verifier."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Model dtype; exactness is judged in float32."""
-
-
-class SkipConfig(_Strict):
-    """Verifier skipping (SDD paper, docs/METHODS.md §7)."""
-
-    k_min: int = Field(6, ge=1)
-    """K_min: shortest prefix worth committing without the verifier."""
-    s_max: int = Field(64, ge=0)
-    """S_max: unverified tokens allowed before a strict round is forced."""
-    eta_b: float = Field(0.5, ge=0.0, le=1.0)
-    """Threshold of the local gate B_k = min_j q_j."""
-    epsilon: float = Field(0.1, gt=0.0, lt=1.0)
-    """Prefix-gate threshold is eta_c = 1 - epsilon."""
-    gamma: int = Field(32, ge=2, le=256)
-    """Draft block length of the diffusion drafter."""
+    # -- speculative diffusion decoding (methods sdd*, docs/METHODS.md §7) ------------------
+    drafter: str | None = None
+    """Diffusion drafter checkpoint folder; None = the zoo's drafter."""
+    gamma: int = Field(16, ge=2, le=256)
+    """Draft block length (paper: 32; the zoo's drafter was trained with 8, 16 and 32)."""
     steps: int = Field(2, ge=1, le=256)
-    """T: denoising steps per block."""
+    """T: denoising passes per block (paper: 2); at most gamma."""
+    lenience: float = Field(0.5, gt=0.0, le=1.0)
+    """sdd-lenience: l; accept while the draft's target logit is within log l of the max (1 = strict)."""
+    top_k: int = Field(2, ge=1)
+    """sdd-topk: accept while the draft token is among the target's k largest logits."""
+    signal: SkipSignal = SkipSignal.RAW
+    """sdd-skip: the per-position score (raw confidence or a survival predictor)."""
+    survival: str | None = None
+    """sdd-skip with a survival signal: folder of `vllm-prove train survival` (marginal.pt, conditional.pt)."""
+    k_min: int = Field(6, ge=0)
+    """K_min: shortest prefix committed without the target (0: any K^ > 0; paper default 6)."""
+    s_max: int = Field(64, ge=1)
+    """S_max: unverified tokens allowed before a strict round is forced (paper default 64)."""
+    eta_b: float = Field(0.90, ge=0.0, le=1.0)
+    """Local gate threshold: B_k = min_{j<=k} q_j >= eta_b (paper, raw confidence: 0.90)."""
+    eta_c: float = Field(0.93, ge=0.0, le=1.0)
+    """Prefix gate threshold on C_k (paper, raw confidence: 0.93; conditional: 1 - epsilon)."""
+    shadow: bool = True
+    """sdd-skip: a shadow target pass audits every skipped round (StrictToken, FullPrefix) without
+    touching decoding, the timing or the verifier-call count."""
+
+    @model_validator(mode="after")
+    def _steps_fit_gamma(self) -> "DecodeConfig":
+        if self.steps > self.gamma:
+            raise ProveError(f"steps ({self.steps}) must be <= gamma ({self.gamma}): each pass reveals a token")
+        return self
+
+    @model_validator(mode="after")
+    def _survival_has_predictors(self) -> "DecodeConfig":
+        if self.method is Method.SDD_SKIP and self.signal is not SkipSignal.RAW and self.survival is None:
+            raise ProveError(f"signal {self.signal.value!r} needs survival: the folder written by "
+                             "`vllm-prove train survival`")
+        return self
 
 
 class TrainConfig(_Strict):
     """One training stage (AR SFT or MARS block training)."""
 
-    objective: Literal["ar", "mars"] = "mars"
-    """`ar`: next-token CE. `mars`: clean + noisy copies, block mask (docs/METHODS.md §2)."""
+    objective: Literal["ar", "mars", "diffusion"] = "mars"
+    """`ar`: next-token CE. `mars`: clean + noisy copies, block mask (docs/METHODS.md §2).
+    `diffusion`: block-diffusion drafter, masked-token CE (docs/METHODS.md §7, train/diffusion.py)."""
     block_size: int = Field(8, ge=2, le=64)
-    """B of the MARS block mask; must equal the decoding block size."""
+    """B of the MARS block mask (must equal the decoding block size); gamma for `diffusion`."""
+    logits_shift: bool = False
+    """`diffusion`: the output at p - 1 predicts p (Dream / DiffuCoder) instead of the output at
+    p (MDLM / BERT); must match the drafter's setting at decoding."""
+    min_mask_ratio: float = Field(0.05, gt=0.0, le=1.0)
+    """`diffusion`: each block's mask ratio is drawn from U(min_mask_ratio, 1)."""
     ar_weight: float = Field(1.0, ge=0.0)
     """Weight of the clean-copy CE in the MARS loss."""
     block_size_mix: tuple[int, ...] = ()

@@ -47,18 +47,27 @@ class BatchedKV:
         self.num_tentative[rows] = 0
 
     @torch.no_grad()
-    def extend(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def extend(self, input_ids: torch.Tensor, lengths: torch.Tensor, bidirectional_from: torch.Tensor | None = None,
+               output_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the model on right-padded `input_ids` # [batch, n] with `lengths` # [batch] real
-        tokens per row; return logits # [batch, n, vocab] (padding columns are garbage)."""
+        tokens per row; return logits # [batch, n, vocab] (padding columns are garbage).
+
+        `bidirectional_from` # [batch]: columns from there to the row's end attend to each other
+        in both directions (a block-diffusion draft block); earlier columns stay causal.
+        `output_hidden`: also return the last layer's output (the LM head's input) # [batch, n, hidden]."""
         bsz, n = input_ids.shape
         col = torch.arange(n)
         real = col[None, :] < lengths[:, None]  # [batch, n]
         position_ids = self.pos[:, None] + self.num_tentative[:, None] + col[None, :]  # [batch, n]
         visible_old = self.state != DEAD  # [batch, slots]
-        causal = col[None, :, None] >= col[None, None, :]  # [1, n, n]
-        mask = torch.cat([visible_old[:, None, :].expand(bsz, n, -1), causal.expand(bsz, n, n)], dim=2)
+        causal = (col[None, :, None] >= col[None, None, :]).expand(bsz, n, n)  # [batch, n, n]
+        if bidirectional_from is not None:
+            seg = (col[None, :] >= bidirectional_from[:, None]) & real  # [batch, n]
+            causal = causal | (seg[:, :, None] & seg[:, None, :])
+        mask = torch.cat([visible_old[:, None, :].expand(bsz, n, -1), causal], dim=2)
         out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
-                         attention_mask=mask[:, None].to(self.device), past_key_values=self.cache, use_cache=True)
+                         attention_mask=mask[:, None].to(self.device), past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=output_hidden)
         self.cache = out.past_key_values
         new_state = torch.where(real, TENTATIVE, DEAD).to(torch.int8)
         self.state = torch.cat([self.state, new_state], dim=1)
@@ -66,6 +75,8 @@ class BatchedKV:
         self.num_tentative += lengths
         self.passes += 1
         self.rows += int((lengths > 0).sum())
+        if output_hidden:
+            return out.logits.float(), out.hidden_states[-1].float()
         return out.logits.float()
 
     def commit(self, num_keep: torch.Tensor) -> None:

@@ -39,9 +39,12 @@ class RequestResult:
 @dataclass
 class Models:
     tokenizer: object
-    proposer: object
+    proposer: object  # the AR target of the SDD methods
     verifier: object | None
     mask_token_id: int
+    drafter: object | None = None  # diffusion drafter (SDD methods)
+    drafter_mask_id: int = -1
+    drafter_spec: dict = field(default_factory=dict)  # config.json `diffusion_drafter`: kind, logits_shift
 
 
 def zoo_path(role: str) -> str:
@@ -58,6 +61,8 @@ def load_models(cfg: DecodeConfig) -> Models:
     tok = AutoTokenizer.from_pretrained(proposer_path)
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=dtype, attn_implementation="sdpa").eval()  # noqa: E731
     proposer = load(proposer_path)
+    if cfg.method.diffusion:
+        return _with_drafter(cfg, Models(tok, proposer, None, -1), load)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(proposer.config, "mask_token_id", None)
     needs_mask = cfg.method not in (Method.AR, Method.SD)
     if needs_mask and mask_id is None:
@@ -72,19 +77,48 @@ def load_models(cfg: DecodeConfig) -> Models:
     return Models(tok, proposer, verifier, mask_id if mask_id is not None else -1)
 
 
+def _with_drafter(cfg: DecodeConfig, models: Models, load) -> Models:
+    """Load the diffusion drafter (MDLM/BERT or Dream style, docs/METHODS.md §7) and check it
+    against the target: one vocabulary, one mask id."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vllm_prove.reference.drafter import check_drafter_tokenizer
+
+    path = cfg.drafter or zoo_path("drafter")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    d_tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else (
+        getattr(config, "mask_token_id", None) if getattr(config, "mask_token_id", None) is not None
+        else getattr(d_tok, "mask_token_id", None))
+    if mask_id is None:
+        raise ProveError(f"mask_token_id: the drafter at {path} names no mask token (config.json or tokenizer); "
+                         "give --mask-token-id")
+    check_drafter_tokenizer(d_tok, models.tokenizer, mask_id, config)
+    models.drafter, models.drafter_mask_id = load(path), mask_id
+    models.drafter_spec = dict(getattr(config, "diffusion_drafter", None) or {})
+    return models
+
+
 def generate(cfg: DecodeConfig, prompts: list[str], models: Models | None = None, *,
-             track_ar_match: bool = False, eos_token_id: int | None = None) -> tuple[list[RequestResult], dict]:
+             track_ar_match: bool = False, eos_token_id: int | None = None,
+             features: bool = False) -> tuple[list[RequestResult], dict]:
     """Decode every prompt; return per-request results and the run summary.
 
-    `eos_token_id` overrides the tokenizer's stop token (tests use it to stop mid-block)."""
+    `eos_token_id` overrides the tokenizer's stop token (tests use it to stop mid-block).
+    `features` (SDD methods): keep each round's survival-predictor features in its record."""
     models = models or load_models(cfg)
     tok = models.tokenizer
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise ProveError(f"prompt {i} is empty: nothing to condition on")
-    dec = DECODERS[cfg.method](cfg, models.proposer, models.verifier, mask_token_id=models.mask_token_id,
-                               pad_id=tok.eos_token_id, track_ar_match=track_ar_match)
+    if cfg.method.diffusion:
+        from vllm_prove.reference.sdd import build_sdd_decoder
+
+        dec = build_sdd_decoder(cfg, models, features=features)
+    else:
+        dec = DECODERS[cfg.method](cfg, models.proposer, models.verifier, mask_token_id=models.mask_token_id,
+                                   pad_id=tok.eos_token_id, track_ar_match=track_ar_match)
     eos = tok.eos_token_id if eos_token_id is None else eos_token_id
     results = [RequestResult(i, p, prompt_token_ids=ids) for i, (p, ids) in enumerate(zip(prompts, prompt_ids))]
     queue, rows = deque(range(len(prompts))), [None] * cfg.batch_size
@@ -116,7 +150,7 @@ def generate(cfg: DecodeConfig, prompts: list[str], models: Models | None = None
                 res.seconds = time.perf_counter() - started[i]
                 res.text = tok.decode(res.token_ids, skip_special_tokens=True)
                 rows[r] = None
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - getattr(dec, "untimed_seconds", 0.0)  # minus shadow audits
     return results, summarize(cfg, results, seconds, dec)
 
 
@@ -132,12 +166,23 @@ def summarize(cfg: DecodeConfig, results: list[RequestResult], seconds: float, d
            "passes": {name: {"passes": kv.passes, "rows": kv.rows} for name, kv in dec.models().items()}}
     if cfg.method in (Method.PROVE, Method.PROVE_LOSSLESS, Method.MARS):
         out.update(block_diagnostics(results, cfg.block_size, lossy=cfg.method is not Method.PROVE_LOSSLESS))
-    return out | {k: getattr(cfg, k) for k in ("theta", "tau", "k") if _uses(cfg.method, k)} | (
-        {"gate": cfg.gate.value} if cfg.method == Method.PROVE else {})
+    if cfg.method.diffusion:
+        from vllm_prove.reference.sdd import sdd_summary
+
+        out["passes"]["drafter"] = {"passes": dec.drafter.passes}
+        out |= {"gamma": cfg.gamma, "steps": cfg.steps} | sdd_summary(
+            [rec for res in results for rec in res.records], num_tokens)
+    settings = ("theta", "tau", "k", "lenience", "top_k", "k_min", "s_max", "eta_b", "eta_c")
+    return out | {k: getattr(cfg, k) for k in settings if _uses(cfg.method, k)} | (
+        {"gate": cfg.gate.value} if cfg.method == Method.PROVE else {}) | (
+        {"signal": cfg.signal.value} if cfg.method == Method.SDD_SKIP else {})
 
 
 def _uses(method: Method, name: str) -> bool:
-    return {"theta": method == Method.PROVE, "tau": method == Method.MARS, "k": method == Method.SD}[name]
+    return {"theta": method == Method.PROVE, "tau": method == Method.MARS, "k": method == Method.SD,
+            "lenience": method == Method.SDD_LENIENCE, "top_k": method == Method.SDD_TOPK,
+            "k_min": method == Method.SDD_SKIP, "s_max": method == Method.SDD_SKIP,
+            "eta_b": method == Method.SDD_SKIP, "eta_c": method == Method.SDD_SKIP}[name]
 
 
 def block_diagnostics(results: list[RequestResult], block_size: int, lossy: bool = True) -> dict:

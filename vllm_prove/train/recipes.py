@@ -88,3 +88,37 @@ def train_verifier(*, model: str, data: str, out: str, proposer: str, resume: bo
     lm.save_pretrained(out)
     tok.save_pretrained(out)
     return result | {"out": str(Path(out))}
+
+
+def train_diffusion(*, model: str, data: str, out: str, target: str | None = None, resume: bool = False,
+                    num_contexts: int = 4096, max_new_tokens: int = 64, **overrides) -> dict:
+    """Block-diffusion drafter training (docs/METHODS.md §7, train/diffusion.py) of `model`.
+
+    With `target` (an AR checkpoint, recommended): the drafter learns the target's greedy
+    continuations of contexts cut from `data` (plain text), generated once and stored in
+    `OUT/targets/` (resumable, fingerprinted), since what a draft must match is the target's
+    output. Without it: masked-block training on `data` itself. The drafter's config.json
+    records its layout (`diffusion_drafter`: kind `block`, `logits_shift`) and its mask id."""
+    from vllm_prove.train.data import StreamDataset
+    from vllm_prove.train.distill import build_targets, distill_dataset
+
+    tok, lm = _load(model)
+    mask_id = ensure_mask_token(tok, lm)
+    cfg = TrainConfig(**{**FINETUNE_DEFAULTS, **overrides, "objective": "diffusion"})
+    ds = load_dataset(data, tok, cfg.seq_len)
+    if target is not None:
+        t_tok, t_lm = _load(target)
+        if t_tok.get_vocab() != tok.get_vocab():
+            raise ProveError(f"--target {target}: its tokenizer differs from the drafter's; SDD needs one vocabulary")
+        if not isinstance(ds, StreamDataset):
+            raise ProveError(f"--target cuts contexts from plain text; {data} holds prompt/response rows")
+        examples = build_targets(t_lm.eval(), ds, Path(out) / "targets", num_contexts=num_contexts,
+                                 max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, seed=cfg.seed + 17,
+                                 generator_name=str(target))
+        ds = distill_dataset(examples, tok.eos_token_id)
+    result = train(lm, ds, cfg, mask_token_id=mask_id, out_dir=out, tokenizer=tok, resume=resume,
+                   desc="diffusion drafter")
+    lm.config.diffusion_drafter = {"kind": "block", "logits_shift": cfg.logits_shift}
+    lm.save_pretrained(out)
+    tok.save_pretrained(out)
+    return result | {"out": str(Path(out)), "mask_token_id": mask_id}

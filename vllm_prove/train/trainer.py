@@ -1,7 +1,8 @@
 """A small, honest training loop: AdamW + cosine schedule, progress bar, checkpoints, resume.
 
 Works for any HF causal LM (the zoo's tiny Qwen2 models or a real Qwen2.5): the objective is
-`ar` (next-token CE) or `mars` (docs/METHODS.md §2, see `mars.py`).
+`ar` (next-token CE), `mars` (docs/METHODS.md §2, see `mars.py`) or `diffusion` (a
+block-diffusion drafter, docs/METHODS.md §7, see `diffusion.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_prove.config import TrainConfig
+from vllm_prove.train.diffusion import diffusion_loss
 from vllm_prove.train.mars import ar_loss, mars_loss
 from vllm_prove.errors import ProveError
 
@@ -43,8 +45,8 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
 
     `teacher` (frozen; self-distillation with `cfg.soft_weight > 0` or `cfg.anchor == "teacher"`)
     gives the soft targets."""
-    if cfg.objective == "mars" and mask_token_id is None:
-        raise ProveError("objective 'mars' needs mask_token_id (config.json `mask_token_id` of the model)")
+    if cfg.objective in ("mars", "diffusion") and mask_token_id is None:
+        raise ProveError(f"objective {cfg.objective!r} needs mask_token_id (config.json `mask_token_id` of the model)")
     needs_teacher = cfg.soft_weight > 0 or cfg.anchor == "teacher"
     if needs_teacher and (teacher is None or cfg.objective != "mars"):
         raise ProveError("soft_weight > 0 and anchor 'teacher' need objective 'mars' and a teacher model "
@@ -76,16 +78,18 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
         batch = dataset.sample(cfg.batch_size, gen)
+        block = cfg.block_size
+        if cfg.block_size_mix and cfg.objective != "ar":
+            block = cfg.block_size_mix[int(torch.randint(len(cfg.block_size_mix), (1,), generator=gen))]
         if cfg.objective == "mars":
             teacher_logits = None
             if needs_teacher:
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=batch.input_ids).logits  # [batch, seq, vocab]
-            block = cfg.block_size
-            if cfg.block_size_mix:
-                block = cfg.block_size_mix[int(torch.randint(len(cfg.block_size_mix), (1,), generator=gen))]
             parts = mars_loss(model, batch, mask_token_id, block, cfg.ar_weight, teacher_logits, cfg.soft_weight,
                               cfg.anchor)
+        elif cfg.objective == "diffusion":
+            parts = diffusion_loss(model, batch, mask_token_id, block, gen, cfg.min_mask_ratio, cfg.logits_shift)
         else:
             parts = ar_loss(model, batch)
         opt.zero_grad(set_to_none=True)

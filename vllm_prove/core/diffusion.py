@@ -1,0 +1,129 @@
+"""Masked-diffusion drafting, engine-free (docs/METHODS.md §7): reveal schedule, reveal choice,
+and the per-token features the survival predictors read.
+
+A block of `gamma` masks is denoised in `T` steps. At each step the drafter scores every
+still-masked position; the most confident ones are revealed (their argmax token is fixed)::
+
+    step 0:  [ m  m  m  m  m  m  m  m ]   reveal the 4 most confident
+    step 1:  [ x1 m  x3 x4 m  m  x7 m ]   reveal the remaining 4
+    done:    [ x1 x2 x3 x4 x5 x6 x7 x8 ]
+
+A token's *raw confidence* is the probability of its token in the pass that revealed it; its
+*reveal step* is that pass's index. Everything here is a pure function of the drafter's
+probabilities; the drafter itself (a transformers model) lives in `vllm_prove.reference.drafter`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Reveal order ties (equal confidence) break towards the earlier position (a stable sort).
+TOP_MASS_K = 5  # "top-5 mass" feature
+NUM_SCALAR_FEATURES = 19
+SCALAR_FEATURES = (
+    "reveal_step",  # 0-based index of the pass that revealed the token
+    "reveal_rank",  # order of reveal inside the block, normalized to [0, 1]
+    "reveal_parallelism",  # tokens revealed in the same pass / gamma
+    "late_reveal",  # 1 if revealed in the last pass
+    "top1_prob",  # raw confidence
+    "log_top1_prob",
+    "entropy",
+    "neg_entropy",
+    "margin",  # top-1 minus top-2 probability
+    "top5_mass",
+    "top1_prob_step0",  # the same position's top-1 probability in the first pass
+    "neg_entropy_step0",
+    "delta_top1_prob",  # reveal pass minus first pass
+    "delta_neg_entropy",
+    "block_position",  # j / gamma
+    "generated_length",  # log1p(tokens generated so far in the request)
+    "segment_position",  # tokens generated so far / max_new_tokens
+    "is_code",  # dataset indicators (the paper's code vs math suites)
+    "is_math",
+)
+assert len(SCALAR_FEATURES) == NUM_SCALAR_FEATURES
+
+
+def reveal_counts(gamma: int, steps: int) -> list[int]:
+    """Tokens revealed at each of the `steps` passes: `gamma` split as evenly as possible,
+    earlier passes taking the remainder (gamma 32, T 2 -> [16, 16]; gamma 5, T 2 -> [3, 2])."""
+    if not 1 <= steps <= gamma:
+        raise ValueError(f"steps must lie in [1, gamma={gamma}], got {steps}")
+    base, extra = divmod(gamma, steps)
+    return [base + (1 if s < extra else 0) for s in range(steps)]
+
+
+def select_reveals(
+    # [batch, gamma] float: confidence of each position's argmax in this pass
+    confidence: torch.Tensor,
+    # [batch, gamma] bool: still masked
+    masked: torch.Tensor,
+    count: int,
+) -> torch.Tensor:  # [batch, gamma] bool: positions revealed by this pass
+    """The `count` most confident masked positions of each row (all of them if fewer remain);
+    equal confidences go to the earlier position."""
+    gamma = confidence.shape[-1]
+    score = torch.where(masked, confidence.double(), -math.inf)  # [batch, gamma]
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # [batch, gamma]
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(gamma).expand_as(order))  # [batch, gamma]
+    return masked & (rank < count)
+
+
+def distribution_stats(
+    # [batch, gamma, vocab] float
+    probs: torch.Tensor,
+) -> dict[str, torch.Tensor]:  # each [batch, gamma]
+    """Top-1 probability and token, entropy, top-1 minus top-2 margin, top-5 mass."""
+    top = probs.topk(min(TOP_MASS_K, probs.shape[-1]), dim=-1)
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)
+    second = top.values[..., 1] if top.values.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
+    return {"token": top.indices[..., 0], "top1_prob": top.values[..., 0], "entropy": entropy,
+            "margin": top.values[..., 0] - second, "top5_mass": top.values.sum(-1)}
+
+
+def scalar_features(
+    # [batch, gamma] each: stats of the reveal pass (see DraftState.record)
+    reveal: dict[str, torch.Tensor],
+    # [batch, gamma] each: stats of the first pass
+    first: dict[str, torch.Tensor],
+    # [batch, gamma] int64
+    reveal_step: torch.Tensor,
+    # [batch, gamma] int64: order of reveal in the block (0 = first revealed)
+    reveal_rank: torch.Tensor,
+    # [batch] int64: tokens the request had generated before this block
+    generated: torch.Tensor,
+    max_new_tokens: int,
+    steps: int,
+    dataset: str = "code",
+) -> torch.Tensor:  # [batch, gamma, NUM_SCALAR_FEATURES] float32
+    """The 19 scalars of docs/METHODS.md §7, in `SCALAR_FEATURES` order."""
+    batch, gamma = reveal_step.shape
+    counts = torch.zeros(batch, steps, dtype=torch.float32).scatter_add_(
+        1, reveal_step, torch.ones(batch, gamma))  # [batch, steps]
+    top1 = reveal["top1_prob"].float()
+    neg_h, neg_h0 = -reveal["entropy"].float(), -first["entropy"].float()
+    gen = generated.float()[:, None].expand(batch, gamma)
+    cols = [
+        reveal_step.float(),
+        reveal_rank.float() / max(1, gamma - 1),
+        counts.gather(1, reveal_step) / gamma,
+        (reveal_step == steps - 1).float(),
+        top1,
+        top1.clamp(min=1e-30).log(),
+        -neg_h,
+        neg_h,
+        reveal["margin"].float(),
+        reveal["top5_mass"].float(),
+        first["top1_prob"].float(),
+        neg_h0,
+        top1 - first["top1_prob"].float(),
+        neg_h - neg_h0,
+        torch.arange(gamma, dtype=torch.float32)[None].expand(batch, gamma) / gamma,
+        gen.log1p(),
+        gen / max(1, max_new_tokens),
+        torch.full((batch, gamma), float(dataset == "code")),
+        torch.full((batch, gamma), float(dataset == "math")),
+    ]
+    return torch.stack(cols, dim=-1)

@@ -57,3 +57,14 @@ def ar_oracle(zoo_models, heldout_prompts):
     cfg = DecodeConfig(method=Method.AR, batch_size=1, max_tokens=ORACLE_MAX_TOKENS)
     results, _ = generate(cfg, heldout_prompts, zoo_models)
     return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="session")
+def sdd_models(zoo_models):
+    """The zoo's proposer as the AR target plus the zoo's diffusion drafter (fp32)."""
+    import dataclasses
+
+    from vllm_prove.config import DecodeConfig, Method
+    from vllm_prove.reference.runner import attach_drafter
+
+    return attach_drafter(DecodeConfig(method=Method.SDD), dataclasses.replace(zoo_models))

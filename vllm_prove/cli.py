@@ -105,6 +105,12 @@ def cmd_zoo(args) -> int:
         manifest = build_zoo(args.out or ZOO_DIR, scale=args.scale, seed=args.seed, resume=args.resume)
         print(json.dumps({k: manifest[k] for k in ("models", "proposer_block_match_rate", "proposer_matching_prefix",
                                                    "build_seconds")}, indent=2))
+    elif args.zoo_cmd == "drafter":
+        from vllm_prove.zoo.build import build_drafter
+
+        manifest = build_drafter(Path(args.out) if args.out else ZOO_DIR, seed=args.seed, resume=args.resume,
+                                 scale=args.scale)
+        print(json.dumps({"drafter": manifest["models"]["drafter"], "drafter_match": manifest["drafter_match"]}))
     elif args.zoo_cmd == "evaluate":
         from vllm_prove.zoo.build import reevaluate_zoo
 
@@ -237,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--out", help="output folder (default: the packaged zoo)")
     build.add_argument("--resume", action="store_true", help="continue an interrupted build from OUT.work/")
+    drafter = zoo.add_parser("drafter", help="(re)train only the zoo's diffusion drafter against its proposer")
+    drafter.add_argument("--out", help="zoo folder (default: the packaged zoo)")
+    drafter.add_argument("--scale", choices=["full", "smoke"], default="full")
+    drafter.add_argument("--seed", type=int, default=0)
+    drafter.add_argument("--resume", action="store_true", help="continue an interrupted run from OUT.work/")
     zoo.add_parser("info", help="print the zoo manifest")
     evaluate = zoo.add_parser("evaluate", help="recompute the manifest's held-out numbers from the shipped weights")
     evaluate.add_argument("--out", help="zoo folder (default: the packaged zoo)")
@@ -252,6 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
     surv.add_argument("--signal", choices=["marginal", "conditional", "both"], default="both")
     surv.add_argument("--epochs", type=int, default=15)
     surv.add_argument("--out", required=True, help="folder for marginal.pt / conditional.pt and report.json")
+    sweep = sub.add_parser("sweep", help="parameter sweeps").add_subparsers(dest="sweep_cmd", required=True)
+    sdd_sweep = sweep.add_parser("sdd", help="the SDD-skipping paper's grids on the reference engine, with frontier plots")
+    sdd_sweep.add_argument("--prompts", help="evaluation prompts (default: the zoo's held-out prompts)")
+    sdd_sweep.add_argument("--num-prompts", type=int, default=64)
+    sdd_sweep.add_argument("--num-train-prompts", type=int, default=128,
+                           help="training-corpus prompts whose strict-SDD traces train the survival predictors")
+    sdd_sweep.add_argument("--max-tokens", type=int, default=64)
+    sdd_sweep.add_argument("--batch-size", type=int, default=8)
+    sdd_sweep.add_argument("--gamma", type=int)
+    sdd_sweep.add_argument("--steps", type=int)
+    sdd_sweep.add_argument("--proposer", help="the AR target (default: the zoo's proposer)")
+    sdd_sweep.add_argument("--drafter", help="diffusion drafter (default: the zoo's)")
+    sdd_sweep.add_argument("--families", nargs="+", choices=["lenience", "topk", "raw", "marginal", "conditional"])
+    sdd_sweep.add_argument("--quick", action="store_true", help="every third setting of each grid")
+    sdd_sweep.add_argument("--out", default="runs/sweep-sdd")
     analyze = sub.add_parser("analyze", help="diagnostics").add_subparsers(dest="analyze_cmd", required=True)
     perm = analyze.add_parser("permutation", help="permutation diagnostic of a skip signal (docs/METHODS.md §7)")
     perm.add_argument("--traces", required=True, help="`generate --method sdd --trace-features` output")
@@ -298,6 +324,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_sweep(args) -> int:
+    from vllm_prove.eval.sweep import GRIDS, run_sweep
+    from vllm_prove.prompts import read_prompts
+    from vllm_prove.zoo import HELDOUT_PROMPTS
+    from vllm_prove.zoo import corpus as corpus_mod
+
+    prompts = read_prompts(args.prompts or HELDOUT_PROMPTS)[: args.num_prompts]
+    train_files, _ = corpus_mod.split(corpus_mod.load_corpus())
+    train_prompts = [r["prompt"] for r in corpus_mod.heldout_prompts(train_files, args.num_train_prompts, seed=1)]
+    base = {k: v for k, v in {"max_tokens": args.max_tokens, "batch_size": args.batch_size, "gamma": args.gamma,
+                              "steps": args.steps, "proposer": args.proposer, "drafter": args.drafter}.items()
+            if v is not None}
+    families = args.families or list(GRIDS)
+    report = run_sweep(prompts, train_prompts, out_dir=args.out, families=families, base=base, quick=args.quick)
+    print(f"{'family':<12} {'setting':<44} {'quality':>8} {'rel calls':>9} {'StrictTok':>9} {'tok/s':>8}")
+    for r in report["runs"]:
+        setting = ", ".join(f"{k}={v}" for k, v in r["setting"].items() if k != "method")
+        print(f"{r['family']:<12} {setting:<44} {r['quality']:>8.3f} {r['relative_verifier_calls']:>9.3f} "
+              f"{r['summary'].get('strict_token', float('nan')):>9.3f} {r['summary']['tokens_per_s']:>8.1f}")
+    print(f"wrote {args.out}/sweep.json, frontier_calls.png, frontier_speed.png")
+    return 0
+
+
 def cmd_analyze(args) -> int:
     from dataclasses import asdict
 
@@ -322,7 +371,7 @@ def cmd_analyze(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "analyze": cmd_analyze, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench,
+COMMANDS = {"generate": cmd_generate, "analyze": cmd_analyze, "sweep": cmd_sweep, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench,
             "demo": cmd_bench, "serve": cmd_serve}
 
 

@@ -62,7 +62,7 @@ def load_models(cfg: DecodeConfig) -> Models:
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=dtype, attn_implementation="sdpa").eval()  # noqa: E731
     proposer = load(proposer_path)
     if cfg.method.diffusion:
-        return _with_drafter(cfg, Models(tok, proposer, None, -1), load)
+        return attach_drafter(cfg, Models(tok, proposer, None, -1), load)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(proposer.config, "mask_token_id", None)
     needs_mask = cfg.method not in (Method.AR, Method.SD)
     if needs_mask and mask_id is None:
@@ -77,10 +77,10 @@ def load_models(cfg: DecodeConfig) -> Models:
     return Models(tok, proposer, verifier, mask_id if mask_id is not None else -1)
 
 
-def _with_drafter(cfg: DecodeConfig, models: Models, load) -> Models:
+def attach_drafter(cfg: DecodeConfig, models: Models, load=None) -> Models:
     """Load the diffusion drafter (MDLM/BERT or Dream style, docs/METHODS.md §7) and check it
     against the target: one vocabulary, one mask id."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from vllm_prove.reference.drafter import check_drafter_tokenizer
 
@@ -94,6 +94,8 @@ def _with_drafter(cfg: DecodeConfig, models: Models, load) -> Models:
         raise ProveError(f"mask_token_id: the drafter at {path} names no mask token (config.json or tokenizer); "
                          "give --mask-token-id")
     check_drafter_tokenizer(d_tok, models.tokenizer, mask_id, config)
+    load = load or (lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, cfg.dtype),
+                                                                    attn_implementation="sdpa").eval())
     models.drafter, models.drafter_mask_id = load(path), mask_id
     models.drafter_spec = dict(getattr(config, "diffusion_drafter", None) or {})
     return models

@@ -11,7 +11,11 @@ Recipe (all on CPU, scale `full` fits 90 minutes on 2 idle cores):
      {8, 16} per step, so one model serves B = 4, 8 and 16 (the block-size sweep in
      docs/BENCHMARKS.md);
   5. verifier fine-tuned on the final proposer's greedy generations (ProVe §4.1);
-  6. weights saved in bf16; every held-out number is measured on those bf16 weights run in fp32.
+  6. diffusion drafter (docs/METHODS.md §7): the fine-tuned verifier's weights trained as a
+     block-diffusion LM (causal prefix, bidirectional draft block, Dream-style shifted logits) on
+     the final proposer's greedy continuations, gamma drawn from {8, 16, 32}; the proposer is the
+     SDD methods' AR target;
+  7. weights saved in bf16; every held-out number is measured on those bf16 weights run in fp32.
 
 `--resume` continues an interrupted build from each stage's last checkpoint in `<out>.work/`.
 """
@@ -32,7 +36,7 @@ from vllm_prove.train.data import StreamDataset, encode_stream
 from vllm_prove.train.trainer import heldout_loss, train
 from vllm_prove.train.distill import build_targets, distill_dataset, greedy_agreement, self_distill_mars
 from vllm_prove.zoo import corpus as corpus_mod
-from vllm_prove.zoo.evaluate import block_match
+from vllm_prove.zoo.evaluate import block_match, drafter_match
 from vllm_prove.zoo.tokenizer import train_tokenizer
 
 from vllm_prove.zoo import ZOO_DIR
@@ -50,11 +54,17 @@ ARCH = {  # Qwen2 shapes; head_dim 64 is one the CPU and CUDA attention backends
 
 SCALES = {  # optimizer steps per stage and self-distillation sizes; `smoke` runs the whole recipe in ~1 minute
     "full": dict(verifier_ar=500, proposer_ar=400, distill_rounds=3, distill_steps=400, distill_contexts=8192,
-                 verifier_ft=300, verifier_contexts=4096, agreement_contexts=64),
+                 verifier_ft=300, verifier_contexts=4096, agreement_contexts=64, drafter=800),
     "smoke": dict(verifier_ar=4, proposer_ar=4, distill_rounds=2, distill_steps=3, distill_contexts=16,
-                  verifier_ft=3, verifier_contexts=16, agreement_contexts=4),
+                  verifier_ft=3, verifier_contexts=16, agreement_contexts=4, drafter=3),
 }
 DISTILL_NEW_TOKENS = 64
+DRAFTER_GAMMAS = (8, 16, 32)  # the drafter trains on all three: the SDD sweeps vary gamma
+DRAFTER_GAMMA, DRAFTER_STEPS = 16, 2  # the zoo's SDD default (configs/tiny.json) and its diagnostic
+# Dream-style shifted logits: the AR weights it starts from already predict p from p - 1, so the
+# first draft token is the AR prediction and the rest keep that alignment. Measured (200 steps,
+# zoo of session 3, strict SDD, gamma 16, T 2): 6.54 tokens per round shifted, 3.37 unshifted.
+DRAFTER_SHIFT = True
 
 
 HELDOUT_WINDOWS = (128, 96)  # held-out diagnostics: 128 corpus windows, 96 tokens of context each
@@ -120,6 +130,65 @@ def reevaluate_zoo(out_dir: Path = ZOO_DIR) -> dict:
     manifest.update(diag)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def train_drafter(verifier, proposer, tok, train_ds: StreamDataset, work: Path, *, steps: int,
+                  num_contexts: int, seed: int = 0, resume: bool = False) -> tuple[object, dict]:
+    """Stage 6: a block-diffusion drafter from the verifier's weights, on the proposer's greedy
+    continuations (the same fingerprinted targets the verifier fine-tuning read)."""
+    drafter = copy.deepcopy(verifier).float().train()
+    generations = build_targets(proposer, train_ds, work / "verifier_targets", num_contexts=num_contexts,
+                                max_new_tokens=DISTILL_NEW_TOKENS, eos_id=tok.eos_token_id, seed=seed + 7,
+                                generator_name="proposer@final")
+    cfg = _stage(dict(objective="diffusion", block_size=DRAFTER_GAMMA, block_size_mix=DRAFTER_GAMMAS, lr=1e-3,
+                      logits_shift=DRAFTER_SHIFT, seed=seed, batch_size=16, seq_len=256, checkpoint_every=100), steps)
+    log = train(drafter, distill_dataset(generations, tok.eos_token_id), cfg, mask_token_id=tok.mask_token_id,
+                out_dir=work / "drafter", desc="diffusion drafter", resume=resume)
+    drafter.config.diffusion_drafter = {"kind": "block", "logits_shift": DRAFTER_SHIFT}
+    return drafter, log
+
+
+def build_drafter(out_dir: Path = ZOO_DIR, seed: int = 0, resume: bool = False, scale: str = "full") -> dict:
+    """`vllm-prove zoo drafter`: (re)train only the drafter of an existing zoo (after its
+    proposer changed); writes `out_dir/drafter` and the manifest's drafter entries."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    work = out_dir.parent / (out_dir.name + ".work")
+    tok = AutoTokenizer.from_pretrained(out_dir / "proposer")
+    load = lambda role: AutoModelForCausalLM.from_pretrained(out_dir / role, dtype=torch.float32).eval()  # noqa: E731
+    proposer, verifier = load("proposer"), load("verifier")
+    train_files, heldout_files = corpus_mod.split(corpus_mod.load_corpus())
+    train_ds = StreamDataset(encode_stream(tok, [f.text for f in train_files]), 256)
+    heldout_ds = StreamDataset(encode_stream(tok, [f.text for f in heldout_files]), 256)
+    steps = SCALES[scale]
+    drafter, log = train_drafter(verifier, proposer, tok, train_ds, work, steps=steps["drafter"],
+                                 num_contexts=steps["verifier_contexts"], seed=seed, resume=resume)
+    save_bf16(drafter, tok, out_dir / "drafter")
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    manifest["models"]["drafter"] = _model_entry("drafter", drafter, heldout_ds)
+    manifest["drafter_match"] = _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id)
+    manifest["training"]["drafter"] = {k: log[k] for k in ("step", "loss", "tokens", "seconds", "tokens_per_s")}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _drafter_diag(proposer, drafter, heldout_ds: StreamDataset, mask_token_id: int) -> dict:
+    m = drafter_match(proposer, drafter, heldout_windows(heldout_ds), DRAFTER_GAMMA, DRAFTER_STEPS, mask_token_id)
+    return {"gamma": DRAFTER_GAMMA, "steps": DRAFTER_STEPS, "strict_accepted": round(m["accepted"], 3),
+            "rate": [round(x, 4) for x in m["rate"]]}
+
+
+def _model_entry(role: str, model, heldout_ds: StreamDataset | None = None) -> dict:
+    arch = ARCH["verifier" if role == "drafter" else role]
+    entry = {"path": role, "arch": "Qwen2", "params": sum(p.numel() for p in model.parameters()),
+             "dtype": "bfloat16", **arch}
+    if role == "drafter":
+        entry |= {"initialized_from": "verifier", "layout": "block diffusion (causal prefix, bidirectional block)"}
+    elif heldout_ds is not None:
+        entry["heldout_loss"] = round(heldout_loss(model, heldout_ds), 4)
+    return entry
 
 
 def check_tokenizer_roundtrip(folder: Path, trained, text: str) -> None:
@@ -193,6 +262,9 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
                                _stage({**base, "objective": "ar", "lr": 5e-4}, steps["verifier_ft"]),
                                out_dir=work / "verifier_ft", desc="verifier FT", resume=resume)
     save_bf16(verifier, tok, out_dir / "verifier")
+    drafter, log["drafter"] = train_drafter(verifier, proposer, tok, train_ds, work, steps=steps["drafter"],
+                                            num_contexts=steps["verifier_contexts"], seed=seed, resume=resume)
+    save_bf16(drafter, tok, out_dir / "drafter")
 
     prompts = corpus_mod.heldout_prompts(heldout_files, NUM_HELDOUT_PROMPTS, seed=seed)
     corpus_mod.write_jsonl(prompts, out_dir / "heldout_prompts.jsonl")
@@ -206,15 +278,16 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
                       "mask_token_id": tok.mask_token_id},
         "block_size": BLOCK_SIZE,
         "models": {
-            role: {"path": role, "arch": "Qwen2", "params": sum(p.numel() for p in m.parameters()),
-                   "dtype": "bfloat16", **ARCH[role], "heldout_loss": diag["heldout_loss"][role]}
-            for role, m in (("proposer", proposer), ("verifier", verifier))
+            **{role: _model_entry(role, m) | {"heldout_loss": diag["heldout_loss"][role]}
+               for role, m in (("proposer", proposer), ("verifier", verifier))},
+            "drafter": _model_entry("drafter", drafter),
         },
         "train_block_sizes": list(TRAIN_BLOCK_SIZES),
         "proposer_block_match_rate": diag["proposer_block_match_rate"],
         "proposer_matching_prefix": diag["proposer_matching_prefix"],
         "greedy_agreement_with_ar_stage": greedy_agreement(
             teacher, proposer, agreement_contexts, DISTILL_NEW_TOKENS, tok.eos_token_id),
+        "drafter_match": _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id),
         "training": {k: {kk: v[kk] for kk in ("step", "loss", "tokens", "seconds", "tokens_per_s", "num_examples",
                                               "heldout_matching_prefix", "heldout_loss", "eval") if kk in v}
                      for k, v in log.items()},

@@ -31,3 +31,24 @@ def block_match(model, windows: torch.Tensor, block_size: int, mask_token_id: in
 def block_match_rate(model, windows: torch.Tensor, block_size: int, mask_token_id: int) -> list[float]:
     """Per-position share of the proposed block equal to the model's own greedy continuation."""
     return block_match(model, windows, block_size, mask_token_id)["rate"]
+
+
+@torch.no_grad()
+def drafter_match(target, drafter, windows: torch.Tensor, gamma: int, steps: int, mask_token_id: int) -> dict:
+    """How far a diffusion draft after each window agrees with the target's greedy continuation:
+    the mean prefix strict SDD accepts per round (`accepted`) and the per-position rate."""
+    from vllm_prove.reference.drafter import DiffusionDrafter
+
+    bsz, t = windows.shape
+    spec = getattr(drafter.config, "diffusion_drafter", None) or {}
+    dd = DiffusionDrafter(drafter, mask_token_id=mask_token_id, gamma=gamma, steps=steps, batch_size=bsz, pad_id=0,
+                          kind=spec.get("kind", "block"), logits_shift=bool(spec.get("logits_shift", False)))
+    for r in range(bsz):
+        dd.admit(r, windows[r].tolist())
+    draft = dd.draft([True] * bsz).draft_token_ids  # [batch, gamma]
+    seq = windows
+    for _ in range(gamma):
+        nxt = target(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+        seq = torch.cat([seq, nxt], dim=1)
+    same = draft == seq[:, t:]  # [batch, gamma]
+    return {"rate": same.float().mean(0).tolist(), "accepted": same.int().cumprod(dim=1).sum(dim=1).float().mean().item()}

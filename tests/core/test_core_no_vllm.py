@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-CORE_MODULES = ["contracts", "rules", "skip_policy", "metrics", "cost_model", "diffusion", "survival"]
+CORE_MODULES = ["contracts", "rules", "skip_policy", "metrics", "cost_model", "diffusion", "survival", "adaptive"]
 
 
 def test_core_imports_with_vllm_unimportable():

@@ -53,7 +53,7 @@ ARCH = {  # Qwen2 shapes; head_dim 64 is one the CPU and CUDA attention backends
 }
 
 SCALES = {  # optimizer steps per stage and self-distillation sizes; `smoke` runs the whole recipe in ~1 minute
-    "full": dict(verifier_ar=500, proposer_ar=400, distill_rounds=3, distill_steps=400, distill_contexts=8192,
+    "full": dict(verifier_ar=500, proposer_ar=400, distill_rounds=2, distill_steps=400, distill_contexts=8192,
                  verifier_ft=300, verifier_contexts=4096, agreement_contexts=64, drafter=800),
     "smoke": dict(verifier_ar=4, proposer_ar=4, distill_rounds=2, distill_steps=3, distill_contexts=16,
                   verifier_ft=3, verifier_contexts=16, agreement_contexts=4, drafter=3),

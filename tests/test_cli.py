@@ -21,7 +21,8 @@ def prompt_files(tmp_path, heldout_prompts):
     return jsonl, txt
 
 
-@pytest.mark.parametrize("method", ["ar", "prove-lossless", "prove", "mars", "sd"])
+@pytest.mark.parametrize("method", ["ar", "prove-lossless", "prove", "mars", "sd", "sdd", "sdd-lenience", "sdd-topk",
+                                    "sdd-skip"])
 def test_generate_writes_the_contract(tmp_path, prompt_files, method):
     jsonl, _ = prompt_files
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
@@ -34,6 +35,73 @@ def test_generate_writes_the_contract(tmp_path, prompt_files, method):
         assert set(r) == OUT_KEYS and r["num_tokens"] == len(r["token_ids"]) == 6
     s = json.loads(summary.read_text())
     assert SUMMARY_KEYS <= set(s) and s["method"] == method and s["num_tokens"] == 18
+    if method.startswith("sdd"):
+        assert {"verifier_calls", "draft_blocks", "verifier_calls_per_token", "gamma", "steps"} <= set(s)
+
+
+def test_sdd_traces_train_survival_and_permutation(tmp_path, heldout_prompts, capsys):
+    """generate --trace-features -> train survival -> sdd-skip with each learned signal ->
+    analyze permutation, through the CLI as a user runs it."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts[:16]))
+    base = ["--prompts", str(prompts), "--max-tokens", "32", "--batch-size", "8"]
+    trace, feats = tmp_path / "t.jsonl", tmp_path / "f.pt"
+    assert main(["generate", "--method", "sdd", *base, "--out", str(tmp_path / "o.jsonl"), "--trace", str(trace),
+                 "--trace-features", str(feats)]) == 0
+    rounds = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert rounds and all(r["verified"] for r in rounds)
+    capsys.readouterr()
+    assert main(["train", "survival", "--traces", str(feats), "--epochs", "2", "--out", str(tmp_path / "surv")]) == 0
+    reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["signal"] for r in reports] == ["marginal", "conditional"]
+    for signal in ("marginal", "conditional"):
+        summary = tmp_path / f"{signal}.json"
+        assert main(["generate", "--method", "sdd-skip", "--signal", signal, "--survival", str(tmp_path / "surv"),
+                     *base, "--out", str(tmp_path / "s.jsonl"), "--summary", str(summary)]) == 0
+        assert json.loads(summary.read_text())["signal"] == signal
+    assert main(["analyze", "permutation", "--traces", str(feats), "--repeats", "5",
+                 "--out", str(tmp_path / "perm.json")]) == 0
+    perm = json.loads((tmp_path / "perm.json").read_text())
+    assert perm["repeats"] == 5 and perm["mean_prefix_realized"] >= 0
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--method", "sdd-skip", "--signal", "marginal"], "signal 'marginal' needs survival"),
+    (["--method", "sdd-skip", "--signal", "marginal", "--survival", "nowhere"], "nowhere/marginal.pt does not exist"),
+    (["--method", "sdd", "--gamma", "4", "--steps", "5"], "steps (5) must be <= gamma (4)"),
+    (["--method", "ar", "--trace", "t.jsonl"], "only the SDD methods"),
+])
+def test_bad_sdd_settings_exit_2(tmp_path, prompt_files, capsys, args, phrase):
+    jsonl, _ = prompt_files
+    rc = main(["generate", "--prompts", str(jsonl), "--max-tokens", "4", "--out", str(tmp_path / "o.jsonl"), *args])
+    assert rc == 2
+    assert phrase in capsys.readouterr().err
+
+
+def test_drafter_whose_mask_ids_disagree_is_rejected(tmp_path, prompt_files, capsys):
+    import shutil
+
+    from vllm_prove.zoo import ZOO_DIR
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(ZOO_DIR / "drafter", drafter)
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg["mask_token_id"] = 7
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    jsonl, _ = prompt_files
+    rc = main(["generate", "--method", "sdd", "--drafter", str(drafter), "--prompts", str(jsonl), "--max-tokens", "4",
+               "--out", str(tmp_path / "o.jsonl")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "drafter config mask_token_id = 7" in err and "drafter tokenizer mask_token_id = 1" in err
+
+
+def test_sdd_is_not_inside_vllm_yet(tmp_path, prompt_files, capsys):
+    jsonl, _ = prompt_files
+    rc = main(["generate", "--engine", "vllm", "--method", "sdd", "--prompts", str(jsonl), "--max-tokens", "4",
+               "--out", str(tmp_path / "o.jsonl")])
+    assert rc == 2
+    assert "runs on the reference engine so far" in capsys.readouterr().err
 
 
 def test_txt_prompts_and_same_tokens_for_lossless_and_ar(tmp_path, prompt_files):

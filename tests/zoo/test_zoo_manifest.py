@@ -33,7 +33,7 @@ def test_weights_are_small_bf16_qwen2_with_a_mask_token(manifest):
 
     total = sum(p.stat().st_size for p in ZOO_DIR.rglob("*") if p.is_file())
     assert total <= MAX_ZOO_BYTES
-    for role in ("proposer", "verifier"):
+    for role in ("proposer", "verifier", "drafter"):
         cfg = json.loads((ZOO_DIR / role / "config.json").read_text())
         assert cfg["model_type"] == "qwen2" and cfg["mask_token_id"] == manifest["tokenizer"]["mask_token_id"]
         with safe_open(ZOO_DIR / role / "model.safetensors", "pt") as f:
@@ -71,6 +71,13 @@ def test_manifest_numbers_are_what_the_shipped_weights_give(manifest):
         assert heldout_loss(model, stream) == pytest.approx(manifest["models"][role]["heldout_loss"], abs=2e-4)
     agreement = manifest["greedy_agreement_with_ar_stage"]
     assert 0.0 <= agreement["identical"] <= 1.0 and agreement["num_contexts"] > 0
+    from vllm_prove.zoo.evaluate import drafter_match
+
+    drafter = AutoModelForCausalLM.from_pretrained(ZOO_DIR / "drafter", dtype=torch.float32).eval()
+    d = manifest["drafter_match"]
+    got = drafter_match(models["proposer"], drafter, windows, d["gamma"], d["steps"], tok.mask_token_id)
+    assert round(got["accepted"], 3) == d["strict_accepted"]
+    assert [round(x, 4) for x in got["rate"]] == d["rate"]
 
 
 def test_heldout_prompts_come_from_heldout_files(manifest):
@@ -97,10 +104,12 @@ def test_smoke_build_runs_the_whole_recipe(tmp_path):
     out = tmp_path / "models"
     manifest = build_zoo(out, scale="smoke")
     assert json.loads((out / "manifest.json").read_text()) == manifest
-    for role in ("proposer", "verifier"):
+    for role in ("proposer", "verifier", "drafter"):
         model = AutoModelForCausalLM.from_pretrained(out / role)
         tok = AutoTokenizer.from_pretrained(out / role)
         assert model.config.mask_token_id == tok.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
+    assert model.config.diffusion_drafter == {"kind": "block", "logits_shift": True}
+    assert {"strict_accepted", "rate", "gamma", "steps"} <= set(manifest["drafter_match"])
     assert not (tmp_path / "models.work").exists()
 
 
@@ -112,7 +121,7 @@ def test_loaded_tokenizer_tokenizes_like_the_trained_pipeline():
 
     _, heldout = split(load_corpus())
     text = "".join(f.text[:5000] for f in heldout[:6]) + "naïve café ｆｕｌｌ\r\n\t  x = 1_000\n"
-    for role in ("proposer", "verifier"):
+    for role in ("proposer", "verifier", "drafter"):
         raw = Tokenizer.from_file(str(ZOO_DIR / role / "tokenizer.json"))
         loaded = AutoTokenizer.from_pretrained(ZOO_DIR / role)
         assert loaded(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids

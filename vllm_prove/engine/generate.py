@@ -34,6 +34,9 @@ def prepare_environment() -> None:
 def method_flags(cfg: DecodeConfig) -> dict:
     """vLLM flags (``speculative_config`` / ``additional_config``) of a method; {} for AR."""
     verifier = cfg.verifier or zoo_path("verifier")
+    if cfg.method.diffusion:
+        raise ProveError(f"--engine vllm: method {cfg.method.value!r} (speculative diffusion decoding) runs on the "
+                         "reference engine so far (--engine reference); it is not inside vLLM yet")
     if cfg.method is Method.AR:
         return {}
     if cfg.method is Method.SD:  # vLLM's own draft-model SD, the verifier as the drafter

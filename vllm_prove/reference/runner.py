@@ -171,6 +171,7 @@ def summarize(cfg: DecodeConfig, results: list[RequestResult], seconds: float, d
     if cfg.method.diffusion:
         from vllm_prove.reference.sdd import sdd_summary
 
+        del out["block_size"]  # a ProVe setting; the SDD block is gamma
         out["passes"]["drafter"] = {"passes": dec.drafter.passes}
         out |= {"gamma": cfg.gamma, "steps": cfg.steps} | sdd_summary(
             [rec for res in results for rec in res.records], num_tokens)

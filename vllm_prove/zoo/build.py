@@ -124,10 +124,13 @@ def reevaluate_zoo(out_dir: Path = ZOO_DIR) -> dict:
     _, heldout_files = corpus_mod.split(corpus_mod.load_corpus())
     heldout_ds = StreamDataset(encode_stream(tok, [f.text for f in heldout_files]), 256)
     load = lambda role: AutoModelForCausalLM.from_pretrained(out_dir / role, dtype=torch.float32).eval()  # noqa: E731
-    diag = heldout_diagnostics(load("proposer"), load("verifier"), heldout_ds, tok.mask_token_id)
+    proposer = load("proposer")
+    diag = heldout_diagnostics(proposer, load("verifier"), heldout_ds, tok.mask_token_id)
     for role, loss in diag.pop("heldout_loss").items():
         manifest["models"][role]["heldout_loss"] = loss
     manifest.update(diag)
+    if (out_dir / "drafter").exists():
+        manifest["drafter_match"] = _drafter_diag(proposer, load("drafter"), heldout_ds, tok.mask_token_id)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

@@ -24,5 +24,8 @@ printf 'def main():\nimport os\n' > prompts.txt
 "$TMP/venv/bin/vllm-prove" generate --engine reference --method prove-lossless --preset tiny --prompts prompts.txt \
     --max-tokens 16 --out out.jsonl
 test "$(wc -l < out.jsonl)" -eq 2
+"$TMP/venv/bin/vllm-prove" generate --method sdd-skip --preset tiny --prompts prompts.txt --max-tokens 16 \
+    --out sdd.jsonl --trace trace.jsonl   # the diffusion drafter ships too
+test "$(wc -l < sdd.jsonl)" -eq 2 && test -s trace.jsonl
 "$TMP/venv/bin/vllm-prove" zoo info > /dev/null
 echo "wheel check: OK"

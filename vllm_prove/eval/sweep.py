@@ -51,9 +51,11 @@ def run_sweep(prompts: list[str], train_prompts: list[str], *, out_dir: str | Pa
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     models = load_models(DecodeConfig(method=Method.SDD, **base))
+    for method in (Method.AR, Method.SDD):  # speed probe: warm every path before anything is timed (§8)
+        generate(DecodeConfig(**{**base, "method": method, "max_tokens": 8}), prompts[:2], models)
     ar, ar_summary = generate(DecodeConfig(method=Method.AR, **base), prompts, models)
     ar_outputs = [r.token_ids for r in ar]
-    strict, strict_summary = generate(DecodeConfig(method=Method.SDD, **base), prompts, models, features=True)
+    strict, strict_summary = generate(DecodeConfig(method=Method.SDD, **base), prompts, models)
     report = {"settings": base, "num_prompts": len(prompts), "ar": ar_summary,
               "strict": strict_summary | {"quality": quality_proxy(strict, ar_outputs)}, "runs": []}
     if any(f in LEARNED for f in families):
@@ -134,9 +136,9 @@ def plot_frontiers(report: dict, out: Path) -> None:
             pts = [p for p in pts if p[0] is not None and p[1] is not None]
             if not pts:
                 continue
-            ax.scatter(*zip(*pts), alpha=0.25, s=12)
             front = pareto(pts, minimize_x)
-            ax.plot(*zip(*front), marker="o", ms=4, label=family)
+            (line,) = ax.plot(*zip(*front), marker="o", ms=4, label=family)
+            ax.scatter(*zip(*pts), alpha=0.25, s=12, color=line.get_color())  # dominated settings, faded
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)

@@ -139,6 +139,9 @@ def plot_frontiers(report: dict, out: Path) -> None:
             front = pareto(pts, minimize_x)
             (line,) = ax.plot(*zip(*front), marker="o", ms=4, label=family)
             ax.scatter(*zip(*pts), alpha=0.25, s=12, color=line.get_color())  # dominated settings, faded
+        strict = {"relative_verifier_calls": 1.0, "quality": 1.0, "strict_token": 1.0,
+                  "tokens_per_s": report["strict"]["tokens_per_s"]}
+        ax.scatter([strict[xkey]], [strict[ykey]], marker="*", s=120, color="black", label="strict SDD", zorder=3)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)

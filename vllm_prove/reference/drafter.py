@@ -137,12 +137,10 @@ class DiffusionDrafter:
         logits, h = self.kv.extend(ids, lengths, bidirectional_from=bidir, output_hidden=True)
         self.passes += 1
         cols = start[:, None] + torch.arange(gamma)[None, :] - int(self.shift)  # [batch, gamma]
-        if self.shift and self.cached and step > 0:  # block token 0 is predicted by the cached last prefix token
-            cols = cols.clamp(min=0)
-        idx = cols.clamp(min=0, max=ids.shape[1] - 1)
+        idx = cols.clamp(min=0, max=ids.shape[1] - 1)  # -1 only for a cached shifted pass > 0: replaced below
         logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # [batch, gamma, vocab]
         h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # [batch, gamma, hidden]
-        if self.shift and self.cached:
+        if self.shift and self.cached:  # block token 0 is predicted by the last prefix token, read in pass 0
             if step == 0:
                 self._first = (logits[:, 0].clone(), h[:, 0].clone())
             else:

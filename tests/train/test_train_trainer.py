@@ -56,13 +56,24 @@ def test_train_resume_reproduces_the_uninterrupted_run(tmp_path):
     resumed = _model(seed=1)
     log = train(resumed, CountingLanguage(CFG.seq_len), CFG, mask_token_id=MASK_TOKEN_ID, out_dir=tmp_path,
                 resume=True)
-    assert log["tokens"] == (STEPS - INTERRUPT_AT) * CFG.batch_size * CFG.seq_len
+    assert log["tokens"] == STEPS * CFG.batch_size * CFG.seq_len  # the whole stage, first run included
+    assert len(log["history"]) < STEPS  # this run's own log lines only
     want, got = reference.state_dict(), resumed.state_dict()
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), f"{name} differs by {(want[name] - got[name]).abs().max()}"
     # and training did move the weights (the comparison is not between two untouched inits)
     assert not torch.equal(want["model.embed_tokens.weight"], _model(seed=0).state_dict()["model.embed_tokens.weight"])
+
+
+def test_resuming_a_finished_stage_reports_its_run(tmp_path):
+    """A build resumed after a stage finished must not report that stage as NaN / 0 s."""
+    model = _model(seed=0)
+    first = train(model, CountingLanguage(CFG.seq_len), CFG, mask_token_id=MASK_TOKEN_ID, out_dir=tmp_path)
+    again = train(_model(seed=1), CountingLanguage(CFG.seq_len), CFG, mask_token_id=MASK_TOKEN_ID,
+                  out_dir=tmp_path, resume=True)
+    assert again["loss"] == first["loss"] and again["tokens"] == first["tokens"] == STEPS * CFG.batch_size * CFG.seq_len
+    assert again["seconds"] >= first["seconds"] > 0 and again["history"] == []
 
 
 def test_train_final_checkpoint_is_the_trained_model(tmp_path):

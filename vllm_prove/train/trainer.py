@@ -29,19 +29,21 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _save(model, tokenizer, opt, gen, step: int, out: Path) -> None:
+def _save(model, tokenizer, opt, gen, step: int, out: Path, progress: dict) -> None:
     ckpt = out / _CKPT
     model.save_pretrained(ckpt)
     if tokenizer is not None:
         tokenizer.save_pretrained(ckpt)
-    # the global torch RNG drives dropout: without it a resumed run of a model with dropout diverges
+    # the global torch RNG drives dropout: without it a resumed run of a model with dropout diverges;
+    # `progress` (last loss, tokens and seconds so far) makes a resumed stage report its whole run
     torch.save({"step": step, "optimizer": opt.state_dict(), "rng": gen.get_state(),
-                "torch_rng": torch.get_rng_state()}, ckpt / "trainer.pt")
+                "torch_rng": torch.get_rng_state(), "progress": progress}, ckpt / "trainer.pt")
 
 
 def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None, out_dir: str | Path | None = None,
           tokenizer=None, resume: bool = False, desc: str = "train", log_every: int = 20, teacher=None) -> dict:
-    """Train `model` in place; return `{"step", "loss", "tokens", "seconds", "tokens_per_s", "history"}`.
+    """Train `model` in place; return `{"step", "loss", "tokens", "seconds", "tokens_per_s", "history"}`
+    (a resumed stage counts its tokens and seconds from its first run; `history` is this run's).
 
     `teacher` (frozen; self-distillation with `cfg.soft_weight > 0` or `cfg.anchor == "teacher"`)
     gives the soft targets."""
@@ -58,7 +60,7 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     out = Path(out_dir) if out_dir is not None else None
-    start = 0
+    start, before = 0, {"loss": float("nan"), "tokens": 0, "seconds": 0.0}
     if resume and out is not None and (out / _CKPT / "trainer.pt").exists():
         state = torch.load(out / _CKPT / "trainer.pt", weights_only=True)
         from safetensors.torch import load_file
@@ -71,8 +73,9 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
         if "torch_rng" in state:  # absent from checkpoints written before it was saved
             torch.set_rng_state(state["torch_rng"])
         start = state["step"]
+        before = state.get("progress", before)  # absent from checkpoints written before it was saved
     model.train()
-    history, tokens, t0, loss_val = [], 0, time.perf_counter(), float("nan")
+    history, tokens, t0, loss_val = [], before["tokens"], time.perf_counter(), before["loss"]
     bar = tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, mininterval=2.0)
     for step in bar:
         for group in opt.param_groups:
@@ -102,9 +105,10 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
             history.append({"step": step, **{k: round(v.item(), 4) for k, v in parts.items()}})
             bar.set_postfix({k: f"{v.item():.3f}" for k, v in parts.items()})
         if out is not None and ((step + 1) % cfg.checkpoint_every == 0 or step == cfg.steps - 1):
-            _save(model, tokenizer, opt, gen, step + 1, out)
+            progress = {"loss": loss_val, "tokens": tokens, "seconds": before["seconds"] + time.perf_counter() - t0}
+            _save(model, tokenizer, opt, gen, step + 1, out, progress)
     model.eval()
-    seconds = time.perf_counter() - t0
+    seconds = before["seconds"] + time.perf_counter() - t0
     return {"step": cfg.steps, "loss": loss_val, "tokens": tokens, "seconds": round(seconds, 1),
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "history": history}
 

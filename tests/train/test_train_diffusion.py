@@ -93,3 +93,27 @@ def test_drafter_learns_the_counting_language(shift, steps, min_rate):
         drafter.admit(r, seqs[r, :3].tolist())
     draft = drafter.draft([True] * 8).draft_token_ids  # [8, 4]
     assert (draft == seqs[:, 3:7]).float().mean().item() >= min_rate
+
+
+def test_train_diffusion_recipe_learns_the_targets_continuations(tmp_path):
+    """`vllm-prove train diffusion --target`: continuations written by the target, stored and
+    fingerprinted; the saved drafter declares its layout and mask id and decodes (strict SDD)."""
+    import json
+
+    from vllm_prove.cli import main
+    from vllm_prove.zoo import ZOO_DIR
+
+    data = tmp_path / "code.py"
+    data.write_text("".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(300)))
+    out = tmp_path / "drafter"
+    assert main(["train", "diffusion", "--model", str(ZOO_DIR / "verifier"), "--target", str(ZOO_DIR / "proposer"),
+                 "--data", str(data), "--out", str(out), "--steps", "21", "--batch-size", "2", "--num-contexts", "8",
+                 "--max-new-tokens", "8", "--logits-shift", "--block-size", "4"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["diffusion_drafter"] == {"kind": "block", "logits_shift": True} and cfg["mask_token_id"] == 1
+    meta = json.loads((out / "targets" / "meta.json").read_text())
+    assert meta["generator"] == str(ZOO_DIR / "proposer") and meta["num_contexts"] == 8
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def main():\n")
+    assert main(["generate", "--method", "sdd", "--drafter", str(out), "--gamma", "4", "--prompts", str(prompts),
+                 "--max-tokens", "8", "--out", str(tmp_path / "o.jsonl")]) == 0

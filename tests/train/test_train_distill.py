@@ -120,3 +120,52 @@ def test_self_distilled_mars_makes_the_block_match_the_models_greedy_output(tmp_
     assert after >= before + 1.0, (before, after)
     agree = greedy_agreement(teacher, model, windows[:16].tolist(), 8, EOS)
     assert 0.0 <= agree["common_prefix_share"] <= 1.0 and agree["num_contexts"] == 16
+
+
+def test_teacher_anchor_is_kl_to_the_teacher_everywhere_but_padding():
+    torch.manual_seed(0)
+    ids = torch.randint(0, MODULUS, (2, 8))
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    resp[:, 3:6] = True
+    valid = torch.ones_like(resp)
+    valid[:, 6:] = False  # right padding
+    batch = TokenBatch(ids, resp, valid)
+    logits, teacher = torch.randn(2, 8, MODULUS + 1), torch.randn(2, 8, MODULUS + 1)
+    context_only = logits.clone()
+    context_only[:, :2] = teacher[:, :2]  # positions 0..1 predict context tokens 1..2
+    # everywhere=True reads context targets; the response-only KL does not
+    assert shifted_kl(context_only, teacher, batch, everywhere=True) < shifted_kl(logits, teacher, batch, everywhere=True)
+    assert shifted_kl(context_only, teacher, batch) == pytest.approx(shifted_kl(logits, teacher, batch).item())
+    padded = logits.clone()
+    padded[:, 5:] = torch.randn(2, 3, MODULUS + 1)  # logits at 5..7 predict padding 6..8: never read
+    assert shifted_kl(padded, teacher, batch, everywhere=True) == pytest.approx(
+        shifted_kl(logits, teacher, batch, everywhere=True).item())
+    model = tiny_qwen2(seed=1)
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+    parts = mars_loss(model, batch, MASK_TOKEN_ID, 4, teacher_logits=own, anchor="teacher")
+    assert parts["ar"].abs() < 1e-5  # the clean copy is the teacher: nothing to pull back
+    assert torch.allclose(parts["loss"], parts["block"] + parts["ar"])
+    with pytest.raises(ValueError, match="anchor 'teacher' needs the teacher's logits"):
+        mars_loss(model, batch, MASK_TOKEN_ID, 4, anchor="teacher")
+
+
+def test_teacher_anchor_keeps_the_generator_fixed_and_self_refreshes_it(tmp_path):
+    stream = _stream(6000, seed=4)
+    cfg = TrainConfig(objective="mars", block_size=4, lr=3e-3, warmup_steps=2, steps=6, batch_size=8,
+                      checkpoint_every=100, seed=0)
+    fingerprints = {}
+    for anchor in ("teacher", "self"):
+        model = tiny_qwen2(seed=5, hidden=64).eval()
+        self_distill_mars(model, stream, cfg.model_copy(update={"anchor": anchor}), work_dir=tmp_path / anchor,
+                          mask_token_id=MASK_TOKEN_ID, eos_id=EOS, rounds=2, num_contexts=16, max_new_tokens=6)
+        metas = [json.loads((tmp_path / anchor / f"round-{r}" / "targets" / "meta.json").read_text()) for r in (0, 1)]
+        fingerprints[anchor] = [m["fingerprint"] for m in metas]
+        assert [m["generator"] for m in metas] == (["model@teacher"] * 2 if anchor == "teacher"
+                                                   else ["model@round0", "model@round1"])
+    assert fingerprints["teacher"][0] == fingerprints["teacher"][1] == fingerprints["self"][0]
+    assert fingerprints["self"][1] != fingerprints["self"][0]  # self: round 1 was written by the trained model
+    with pytest.raises(ValueError, match="anchor 'teacher' need"):
+        from vllm_prove.train.trainer import train
+
+        train(tiny_qwen2(seed=1), stream, cfg.model_copy(update={"anchor": "teacher"}), mask_token_id=MASK_TOKEN_ID)

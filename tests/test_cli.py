@@ -63,6 +63,10 @@ def test_sdd_traces_train_survival_and_permutation(tmp_path, heldout_prompts, ca
                  "--out", str(tmp_path / "perm.json")]) == 0
     perm = json.loads((tmp_path / "perm.json").read_text())
     assert perm["repeats"] == 5 and perm["mean_prefix_realized"] >= 0
+    capsys.readouterr()
+    assert main(["analyze", "permutation", "--traces", str(feats), "--signal", "marginal",
+                 "--survival", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere/marginal.pt does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,phrase", [

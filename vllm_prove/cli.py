@@ -352,8 +352,8 @@ def cmd_analyze(args) -> int:
 
     from vllm_prove.config import SkipSignal
     from vllm_prove.core.survival import permutation_diagnostic
-    from vllm_prove.reference.sdd import SIGNAL_GATES
-    from vllm_prove.train.survival import block_scores, load_predictor, load_traces
+    from vllm_prove.reference.sdd import SIGNAL_GATES, load_survival_predictor
+    from vllm_prove.train.survival import block_scores, load_traces
 
     traces = load_traces(args.traces)
     signal = SkipSignal(args.signal)
@@ -361,7 +361,7 @@ def cmd_analyze(args) -> int:
     if signal is not SkipSignal.RAW:
         if not args.survival:
             raise ProveError(f"--signal {signal.value} needs --survival (the folder of `vllm-prove train survival`)")
-        scores = block_scores(load_predictor(Path(args.survival) / f"{signal.value}.pt"), traces.hidden, traces.scalars)
+        scores = block_scores(load_survival_predictor(args.survival, signal), traces.hidden, traces.scalars)
     result = permutation_diagnostic(scores, traces.accepted, traces.num_draft_tokens, args.eta_b, args.eta_c,
                                     SIGNAL_GATES[signal], repeats=args.repeats)
     text = json.dumps({"signal": signal.value, "eta_b": args.eta_b, "eta_c": args.eta_c} | asdict(result), indent=2)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_prove.core.metrics import full_prefix_acceptance, strict_token_agreement
 from vllm_prove.core.skip_policy import PrefixGate, feasible_prefix
 
 DEFAULT_NUM_FOLDS = 5  # paper: five folds by prompt id
@@ -154,13 +155,10 @@ def _agreement(
     # [num_rows] int64: L
     accepted: torch.Tensor,
 ) -> tuple[float, float]:  # (StrictToken, FullPrefix); NaN when no row has K^ > 0
-    # Same formulas as core.metrics.strict_token_agreement / full_prefix_acceptance, which
-    # raise on an empty set; a diagnostic reports NaN instead.
-    relaxed = K_hat > 0  # [num_rows]
-    if not bool(relaxed.any()):
+    # core.metrics raises on an empty set (no relaxed round); a diagnostic reports NaN instead.
+    if not bool((K_hat > 0).any()):
         return math.nan, math.nan
-    K, L = K_hat[relaxed], accepted[relaxed]  # [num_relaxed] each
-    return float(torch.minimum(K, L).sum() / K.sum()), float((K <= L).double().mean())
+    return strict_token_agreement(K_hat, accepted), full_prefix_acceptance(K_hat, accepted)
 
 
 def permutation_diagnostic(

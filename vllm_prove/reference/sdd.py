@@ -81,10 +81,11 @@ class SDDDecoder(Decoder):
         committed = [[] for _ in active]
         if any(verify):  # one target pass over the verifying rows
             logits = self._teacher_force(self.kv_p, self.pending, x.clamp(min=0), self.drafter.gamma + 1, verify)
-            verdict = self.verify(x, n, logits)
+            strict = strict_greedy(x, n, logits)  # L_b: the same pass, strict rule
+            verdict = self.verify(x, n, logits) if self.relaxed_verify else strict
             accepted = torch.where(torch.tensor(verify), verdict.num_accepted, 0)
             self.kv_p.commit(_lengths(self.pending, verify) + accepted)
-            strict_l = strict_greedy(x, n, logits).num_accepted  # L_b: the same pass, strict rule
+            strict_l = strict.num_accepted
             committed = [row if v else [] for row, v in zip(verdict.to_lists(), verify)]
         audit = self._shadow(x, n, skip) if bool(skip.any()) and self.cfg.shadow else None
         for r in range(len(active)):
@@ -157,6 +158,17 @@ SDD_DECODERS: dict[Method, type[SDDDecoder]] = {
 }
 
 
+def load_survival_predictor(folder: str | Path, signal: SkipSignal):
+    """`folder/{signal}.pt` written by `vllm-prove train survival`, or a clear error."""
+    from vllm_prove.train.survival import load_predictor
+
+    path = Path(folder) / f"{signal.value}.pt"
+    if not path.exists():
+        raise ProveError(f"survival: {path} does not exist; train it with `vllm-prove train survival "
+                         f"--signal {signal.value} --out {folder}`")
+    return load_predictor(path)
+
+
 def build_sdd_decoder(cfg: DecodeConfig, models, *, features: bool = False) -> SDDDecoder:
     """The SDD decoder of `cfg.method` over `models` (runner.Models with a drafter)."""
     tok, spec = models.tokenizer, models.drafter_spec
@@ -167,13 +179,9 @@ def build_sdd_decoder(cfg: DecodeConfig, models, *, features: bool = False) -> S
                                max_new_tokens=cfg.max_tokens)
     scorer = None
     if cfg.method is Method.SDD_SKIP and cfg.signal is not SkipSignal.RAW:
-        from vllm_prove.train.survival import block_scores, load_predictor
+        from vllm_prove.train.survival import block_scores
 
-        path = Path(cfg.survival) / f"{cfg.signal.value}.pt"
-        if not path.exists():
-            raise ProveError(f"survival: {path} does not exist; train it with `vllm-prove train survival "
-                             f"--signal {cfg.signal.value} --out {cfg.survival}`")
-        predictor = load_predictor(path)
+        predictor = load_survival_predictor(cfg.survival, cfg.signal)
         scorer = lambda d: block_scores(predictor, d.hidden, d.scalars)  # noqa: E731
         drafter.features = True
     special = sorted(set(tok.all_special_ids) | {tok.eos_token_id, models.drafter_mask_id})

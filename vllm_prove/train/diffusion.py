@@ -29,13 +29,17 @@ from vllm_prove.train.mars import model_attention_mask
 NO_BLOCK = -1  # block index of context (non-response) positions
 
 
+def response_start(batch: TokenBatch) -> torch.Tensor:
+    """# [batch] int64: each row's first response position (0 for a row without response)."""
+    resp = batch.response_mask  # [batch, seq]
+    return torch.where(resp.any(1), resp.float().argmax(1), 0).long()
+
+
 def response_blocks(batch: TokenBatch, gamma: int) -> torch.Tensor:
     """# [batch, seq] int64: block index of each response token, counted from the row's
     response start; NO_BLOCK on context and padding."""
-    resp = batch.response_mask  # [batch, seq]
-    start = torch.where(resp.any(1), resp.float().argmax(1), 0)  # [batch] first response position
-    pos = torch.arange(resp.shape[1])[None, :]  # [1, seq]
-    return torch.where(resp, (pos - start[:, None]) // gamma, NO_BLOCK)
+    pos = torch.arange(batch.response_mask.shape[1])[None, :]  # [1, seq]
+    return torch.where(batch.response_mask, (pos - response_start(batch)[:, None]) // gamma, NO_BLOCK)
 
 
 def diffusion_attention_mask(blocks: torch.Tensor, gamma_start: torch.Tensor) -> torch.Tensor:
@@ -79,9 +83,8 @@ def diffusion_logits(model, batch: TokenBatch, mask_token_id: int, gamma: int, m
     ids = batch.input_ids  # [batch, seq]
     bsz, seq = ids.shape
     blocks = response_blocks(batch, gamma)  # [batch, seq]
-    resp_start = torch.where(batch.response_mask.any(1), batch.response_mask.float().argmax(1), 0)  # [batch]
     pos = torch.arange(seq)[None, :]
-    gamma_start = torch.where(blocks != NO_BLOCK, resp_start[:, None] + blocks * gamma, pos)  # [batch, seq]
+    gamma_start = torch.where(blocks != NO_BLOCK, response_start(batch)[:, None] + blocks * gamma, pos)  # [batch, seq]
     noisy = torch.where(masked, torch.full_like(ids, mask_token_id), ids)
     allowed = diffusion_attention_mask(blocks, gamma_start)  # [batch, 2 * seq, 2 * seq]
     positions = torch.cat([torch.arange(seq), torch.arange(seq)])[None].expand(bsz, -1)

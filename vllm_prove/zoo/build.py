@@ -70,6 +70,19 @@ DRAFTER_SHIFT = True
 HELDOUT_WINDOWS = (128, 96)  # held-out diagnostics: 128 corpus windows, 96 tokens of context each
 
 
+def corpus_stream(tok, files) -> StreamDataset:
+    """256-token windows of `files` encoded by `tok` (documents joined by EOS)."""
+    return StreamDataset(encode_stream(tok, [f.text for f in files]), 256)
+
+
+def open_zoo(out_dir: Path):
+    """The shipped zoo as users load it: its tokenizer and a loader of its models (fp32, eval)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out_dir / "proposer")
+    return tok, lambda role: AutoModelForCausalLM.from_pretrained(out_dir / role, dtype=torch.float32).eval()
+
+
 def heldout_windows(heldout_ds: StreamDataset) -> torch.Tensor:
     """The held-out contexts every manifest diagnostic reads (fixed seed) # [128, 96]."""
     n, width = HELDOUT_WINDOWS
@@ -116,14 +129,10 @@ def heldout_diagnostics(proposer, verifier, heldout_ds: StreamDataset, mask_toke
 def reevaluate_zoo(out_dir: Path = ZOO_DIR) -> dict:
     """Recompute the manifest's held-out numbers from the shipped weights, loaded as users load
     them (`vllm-prove zoo evaluate`); write them back; return the manifest."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out_dir = Path(out_dir)
     manifest = json.loads((out_dir / "manifest.json").read_text())
-    tok = AutoTokenizer.from_pretrained(out_dir / "proposer")
-    _, heldout_files = corpus_mod.split(corpus_mod.load_corpus())
-    heldout_ds = StreamDataset(encode_stream(tok, [f.text for f in heldout_files]), 256)
-    load = lambda role: AutoModelForCausalLM.from_pretrained(out_dir / role, dtype=torch.float32).eval()  # noqa: E731
+    tok, load = open_zoo(out_dir)
+    heldout_ds = corpus_stream(tok, corpus_mod.split(corpus_mod.load_corpus())[1])
     proposer = load("proposer")
     diag = heldout_diagnostics(proposer, load("verifier"), heldout_ds, tok.mask_token_id)
     for role, loss in diag.pop("heldout_loss").items():
@@ -154,22 +163,18 @@ def train_drafter(verifier, proposer, tok, train_ds: StreamDataset, work: Path, 
 def build_drafter(out_dir: Path = ZOO_DIR, seed: int = 0, resume: bool = False, scale: str = "full") -> dict:
     """`vllm-prove zoo drafter`: (re)train only the drafter of an existing zoo (after its
     proposer changed); writes `out_dir/drafter` and the manifest's drafter entries."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out_dir = Path(out_dir)
     work = out_dir.parent / (out_dir.name + ".work")
-    tok = AutoTokenizer.from_pretrained(out_dir / "proposer")
-    load = lambda role: AutoModelForCausalLM.from_pretrained(out_dir / role, dtype=torch.float32).eval()  # noqa: E731
+    tok, load = open_zoo(out_dir)
     proposer, verifier = load("proposer"), load("verifier")
     train_files, heldout_files = corpus_mod.split(corpus_mod.load_corpus())
-    train_ds = StreamDataset(encode_stream(tok, [f.text for f in train_files]), 256)
-    heldout_ds = StreamDataset(encode_stream(tok, [f.text for f in heldout_files]), 256)
+    train_ds, heldout_ds = corpus_stream(tok, train_files), corpus_stream(tok, heldout_files)
     steps = SCALES[scale]
     drafter, log = train_drafter(verifier, proposer, tok, train_ds, work, steps=steps["drafter"],
                                  num_contexts=steps["verifier_contexts"], seed=seed, resume=resume)
     save_bf16(drafter, tok, out_dir / "drafter")
     manifest = json.loads((out_dir / "manifest.json").read_text())
-    manifest["models"]["drafter"] = _model_entry("drafter", drafter, heldout_ds)
+    manifest["models"]["drafter"] = _model_entry("drafter", drafter)
     manifest["drafter_match"] = _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id)
     manifest["training"]["drafter"] = {k: log[k] for k in ("step", "loss", "tokens", "seconds", "tokens_per_s")}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -183,14 +188,12 @@ def _drafter_diag(proposer, drafter, heldout_ds: StreamDataset, mask_token_id: i
             "rate": [round(x, 4) for x in m["rate"]]}
 
 
-def _model_entry(role: str, model, heldout_ds: StreamDataset | None = None) -> dict:
+def _model_entry(role: str, model) -> dict:
     arch = ARCH["verifier" if role == "drafter" else role]
     entry = {"path": role, "arch": "Qwen2", "params": sum(p.numel() for p in model.parameters()),
              "dtype": "bfloat16", **arch}
     if role == "drafter":
         entry |= {"initialized_from": "verifier", "layout": "block diffusion (causal prefix, bidirectional block)"}
-    elif heldout_ds is not None:
-        entry["heldout_loss"] = round(heldout_loss(model, heldout_ds), 4)
     return entry
 
 
@@ -222,8 +225,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
     files = corpus_mod.load_corpus()
     train_files, heldout_files = corpus_mod.split(files)
     tok = train_tokenizer([f.text for f in train_files], VOCAB_SIZE, work / "tokenizer")
-    train_ds = StreamDataset(encode_stream(tok, [f.text for f in train_files]), 256)
-    heldout_ds = StreamDataset(encode_stream(tok, [f.text for f in heldout_files]), 256)
+    train_ds, heldout_ds = corpus_stream(tok, train_files), corpus_stream(tok, heldout_files)
     base = dict(block_size=BLOCK_SIZE, seed=seed, batch_size=16, seq_len=256, checkpoint_every=100)
     log: dict = {}
 

@@ -19,13 +19,20 @@ def block_match(model, windows: torch.Tensor, block_size: int, mask_token_id: in
     masks = torch.full((bsz, block_size - 1), mask_token_id, dtype=torch.long)
     logits = model(input_ids=torch.cat([windows, masks], dim=1)).logits  # [batch, seq + B - 1, vocab]
     proposed = logits[:, t - 1 :].argmax(-1)  # [batch, block]
-    seq = windows
-    for _ in range(block_size):
-        nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
-        seq = torch.cat([seq, nxt], dim=1)
-    same = proposed == seq[:, t:]  # [batch, block]
+    same = proposed == greedy_tokens(model, windows, block_size)  # [batch, block]
     prefix = same.int().cumprod(dim=1).sum(dim=1).float()  # [batch]
     return {"rate": same.float().mean(0).tolist(), "prefix": prefix.mean().item()}
+
+
+@torch.no_grad()
+def greedy_tokens(model, windows: torch.Tensor, num: int) -> torch.Tensor:
+    """# [batch, num]: `num` greedy AR steps after each window # [batch, seq] (full re-reads, no
+    cache: the diagnostics' reference, independent of the decoders under test)."""
+    seq = windows
+    for _ in range(num):
+        nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq[:, windows.shape[1]:]
 
 
 def block_match_rate(model, windows: torch.Tensor, block_size: int, mask_token_id: int) -> list[float]:
@@ -39,16 +46,12 @@ def drafter_match(target, drafter, windows: torch.Tensor, gamma: int, steps: int
     the mean prefix strict SDD accepts per round (`accepted`) and the per-position rate."""
     from vllm_prove.reference.drafter import DiffusionDrafter
 
-    bsz, t = windows.shape
+    bsz = windows.shape[0]
     spec = getattr(drafter.config, "diffusion_drafter", None) or {}
     dd = DiffusionDrafter(drafter, mask_token_id=mask_token_id, gamma=gamma, steps=steps, batch_size=bsz, pad_id=0,
                           kind=spec.get("kind", "block"), logits_shift=bool(spec.get("logits_shift", False)))
     for r in range(bsz):
         dd.admit(r, windows[r].tolist())
     draft = dd.draft([True] * bsz).draft_token_ids  # [batch, gamma]
-    seq = windows
-    for _ in range(gamma):
-        nxt = target(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
-        seq = torch.cat([seq, nxt], dim=1)
-    same = draft == seq[:, t:]  # [batch, gamma]
+    same = draft == greedy_tokens(target, windows, gamma)  # [batch, gamma]
     return {"rate": same.float().mean(0).tolist(), "accepted": same.int().cumprod(dim=1).sum(dim=1).float().mean().item()}

@@ -4,14 +4,21 @@ against brute force, the online cost fit and the acceptance estimates."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core.adaptive import (AcceptanceTracker, StepCost, StepCostModel, choose_depths,
-                                      expected_committed)
+from vllm_prove.core.adaptive import (AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+                                      StepShape, choose_depths, expected_committed)
+
+PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
+
+
+def depths(*args, **kwargs) -> list[int]:
+    return choose_depths(*args, **kwargs)[0].tolist()
 
 
 def test_expected_committed_golden():
@@ -22,76 +29,100 @@ def test_expected_committed_golden():
 
 def test_free_rows_speculate_fully_and_dear_rows_not_at_all():
     e = expected_committed(torch.full((3, 8), 0.7))
-    assert choose_depths(e, StepCost(c_0=1.0, c_req=0.1, c_row=0.0)).tolist() == [8, 8, 8]
-    assert choose_depths(e, StepCost(c_0=1.0, c_req=0.1, c_row=1e-9)).tolist() == [8, 8, 8]
+    assert depths(e, StepCost(c_0=1.0, c_req=0.1, c_row=0.0)) == [8, 8, 8]
+    assert choose_depths(e, StepCost(c_0=1.0, c_req=0.1, c_row=1e-9))[1] == 8
     # a position nobody accepts adds rows and no tokens: never worth it, even when rows are free
     flat = expected_committed(torch.tensor([[0.9, 0.9, 0.0, 0.0]]))
-    assert choose_depths(flat, StepCost(c_0=1.0, c_req=0.1, c_row=1e-6)).tolist() == [2]
-    assert choose_depths(e, StepCost(c_0=0.01, c_req=0.01, c_row=10.0)).tolist() == [0, 0, 0]
+    k, d = choose_depths(flat, StepCost(c_0=1.0, c_req=0.1, c_row=1e-6))
+    assert (k.tolist(), d) == ([2], 2)  # and nobody drafts deeper than anyone verifies
+    assert choose_depths(e, StepCost(c_0=0.01, c_req=0.01, c_row=10.0))[1] == 0
+    assert depths(e, StepCost(c_0=0.01, c_req=0.01, c_row=10.0)) == [0, 0, 0]
+
+
+def test_a_dear_drafter_pass_turns_speculation_off_and_a_cheap_one_on():
+    e = expected_committed(torch.full((4, 8), 0.6))
+    cheap = StepCost(c_0=1.0, c_req=0.0, c_row=0.01, c_pass=0.1, c_draft_row=0.001)
+    dear = StepCost(c_0=1.0, c_req=0.0, c_row=0.01, c_pass=5.0, c_draft_row=0.001)
+    assert choose_depths(e, cheap, PAR)[1] > 0
+    assert choose_depths(e, dear, PAR)[1] == 0 and depths(e, dear, PAR) == [0, 0, 0, 0]
+    # a sequential drafter pays a pass per draft position: the same prices give a shallower depth
+    mid = StepCost(c_0=1.0, c_req=0.0, c_row=0.01, c_pass=0.3, c_draft_row=0.001)
+    assert choose_depths(e, mid, SEQ)[1] < choose_depths(e, mid, PAR)[1]
 
 
 def test_requests_that_accept_more_speculate_deeper():
     accept = torch.tensor([[0.95] * 8, [0.2] * 8])
-    k = choose_depths(expected_committed(accept), StepCost(c_0=1.0, c_req=0.05, c_row=0.08))
-    assert k[0] > k[1]
+    k, d = choose_depths(expected_committed(accept), StepCost(c_0=1.0, c_req=0.05, c_row=0.08))
+    assert k[0] > k[1] and d == k[0]
 
 
 def test_gated_requests_take_a_full_window_or_none():
     e = expected_committed(torch.tensor([[0.9] * 8, [0.1] * 8]))
     allowed = torch.zeros(2, 9, dtype=torch.bool)
     allowed[:, 8] = True
-    k = choose_depths(e, StepCost(c_0=1.0, c_req=0.05, c_row=0.1), allowed)
-    assert k.tolist() == [8, 0]
+    assert depths(e, StepCost(c_0=1.0, c_req=0.05, c_row=0.1), PAR, allowed) == [8, 0]
 
 
-def _brute_force(e, cost, allowed):
-    best, arg = -1.0, None
+def _rate(e, combo, d, cost, kind):
+    return sum(float(e[r, k]) for r, k in enumerate(combo)) / cost(StepShape.of(e.shape[0], sum(combo), d, kind))
+
+
+def _brute_force(e, cost, allowed, kind):
+    best = -1.0
     options = [[k for k in range(e.shape[1]) if k == 0 or allowed[r, k]] for r in range(e.shape[0])]
-    for combo in itertools.product(*options):
-        rate = sum(float(e[r, k]) for r, k in enumerate(combo)) / cost(e.shape[0] + sum(combo), e.shape[0])
-        if rate > best + 1e-12:
-            best, arg = rate, combo
+    for d in range(e.shape[1]):
+        for combo in itertools.product(*options):
+            if max(combo) <= d:
+                best = max(best, _rate(e, combo, d, cost, kind))
     return best
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 4), st.floats(0.0, 2.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
-       st.integers(0, 2**31 - 1))
-def test_choice_is_the_exact_optimum(batch, depth, c_0, c_req, c_row, seed):
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.lists(st.floats(0.0, 1.0), min_size=5, max_size=5),
+       st.sampled_from(list(DraftKind)), st.integers(0, 2**31 - 1))
+def test_choice_is_the_exact_optimum(batch, depth, coefs, kind, seed):
     gen = torch.Generator().manual_seed(seed)
     e = expected_committed(torch.rand(batch, depth, generator=gen))
     allowed = torch.rand(batch, depth + 1, generator=gen) < 0.7
-    cost = StepCost(c_0 + 1e-3, c_req, c_row)
-    k = choose_depths(e, cost, allowed)
+    cost = StepCost(coefs[0] + 1e-3, *coefs[1:])
+    k, d = choose_depths(e, cost, kind, allowed)
     assert all(int(k[r]) == 0 or bool(allowed[r, int(k[r])]) for r in range(batch))
-    rate = float(e.gather(1, k[:, None]).sum()) / cost(batch + int(k.sum()), batch)
-    assert rate == pytest.approx(_brute_force(e, cost, allowed), rel=1e-9)
+    assert int(k.max()) <= d <= depth
+    assert _rate(e, k.tolist(), d, cost, kind) == pytest.approx(_brute_force(e, cost, allowed, kind), rel=1e-9)
 
 
-def test_cost_model_recovers_a_linear_cost_and_follows_a_change():
+def _random_shape(gen, kind):
+    req = int(torch.randint(1, 17, (1,), generator=gen))
+    d = int(torch.randint(0, 9, (1,), generator=gen))
+    return StepShape.of(req, int(torch.randint(0, d * req + 1, (1,), generator=gen)), d, kind)
+
+
+@pytest.mark.parametrize("kind", list(DraftKind))
+def test_cost_model_recovers_a_linear_cost_and_follows_a_change(kind):
     model = StepCostModel(forget=0.9)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        req = int(torch.randint(1, 17, (1,), generator=gen))
-        rows = req + int(torch.randint(0, 9 * req, (1,), generator=gen))
-        model.update(rows, req, 0.003 + 0.0002 * req + 0.0005 * rows)
+    truth = StepCost(0.003, 0.0002, 0.0005, 0.002, 0.0001)
+    for _ in range(60):
+        shape = _random_shape(gen, kind)
+        model.update(shape, truth(shape))
     fit = model.fit()
-    assert (fit.c_0, fit.c_req, fit.c_row) == pytest.approx((0.003, 0.0002, 0.0005), rel=1e-4)
-    for _ in range(200):  # the machine got busier: rows now cost 4x
-        req = int(torch.randint(1, 17, (1,), generator=gen))
-        rows = req + int(torch.randint(0, 9 * req, (1,), generator=gen))
-        model.update(rows, req, 0.003 + 0.0002 * req + 0.002 * rows)
+    torch.testing.assert_close(fit.coefficients(), truth.coefficients(), rtol=1e-4, atol=1e-9)
+    busier = StepCost(0.003, 0.0002, 0.002, 0.002, 0.0001)  # the machine got busier: rows now cost 4x
+    for _ in range(200):
+        shape = _random_shape(gen, kind)
+        model.update(shape, busier(shape))
     assert model.fit().c_row == pytest.approx(0.002, rel=1e-3)
 
 
 def test_cost_model_keeps_coefficients_non_negative_and_rejects_bad_steps():
     model = StepCostModel()
     for rows, req in ((1, 1), (4, 1), (8, 2), (16, 4)):
-        model.update(rows, req, 0.01 - 0.0001 * rows)  # a row that "saves" time is noise, not a price
+        # a row that "saves" time is noise, not a price
+        model.update(StepShape(req, rows, 1, rows), 0.01 - 0.0001 * rows)
     fit = model.fit()
-    assert min(fit.c_0, fit.c_req, fit.c_row) >= 0.0
+    assert min(fit.coefficients().tolist()) >= 0.0
     with pytest.raises(ValueError, match="rows >= requests"):
-        model.update(1, 2, 0.1)
+        model.update(StepShape(2, 1, 0, 0), 0.1)
     with pytest.raises(ValueError, match="no step measured"):
         StepCostModel().fit()
 
@@ -111,3 +142,60 @@ def test_acceptance_tracker_counts_reached_positions_and_shrinks_to_the_populati
     torch.testing.assert_close(t.rates(["a"])[0], pop)  # a returning id starts from the population
     with pytest.raises(ValueError, match="accepted"):
         t.record("b", 2, 3)
+
+
+def test_step_shapes_of_both_drafters():
+    assert StepShape.of(4, 10, 0, PAR) == StepShape(4, 14, 0, 0)
+    assert StepShape.of(4, 10, 8, PAR) == StepShape(4, 14, 1, 32)
+    # vLLM's draft model re-reads the verified rows even when it drafts nothing
+    assert StepShape.of(4, 10, 0, SEQ) == StepShape(4, 14, 1, 14)
+    assert StepShape.of(4, 10, 5, SEQ) == StepShape(4, 14, 5, 14 + 16)
+    assert StepShape.of(1, 0, 2, PAR, extra_rows=30).rows == 31
+
+
+def _feed(ctrl, truth, accept, steps, requests):
+    """Run the controller against a simulated engine: steps cost `truth`, each draft position is
+    accepted with probability `accept` once the earlier ones were (seeded)."""
+    rng = random.Random(0)
+    held = {r: 0 for r in requests}
+    for _ in range(steps):
+        plan = ctrl.decide(requests)
+        verify = {r: min(k, held[r]) for r, k in plan.depths.items()}
+        for r, k in verify.items():
+            if k:
+                ctrl.observe_verification(r, k, next((j for j in range(k) if rng.random() >= accept), k))
+        ctrl.observe_step(StepShape.of(len(requests), sum(verify.values()), plan.draft_depth, ctrl.kind),
+                          truth(StepShape.of(len(requests), sum(verify.values()), plan.draft_depth, ctrl.kind)))
+        held = {r: plan.draft_depth for r in requests}
+    return ctrl
+
+
+def test_controller_probes_then_follows_the_load():
+    light = StepCost(c_0=0.01, c_req=0.0005, c_row=0.00005, c_pass=0.004, c_draft_row=0.00005)
+    ctrl = _feed(DepthController(8, PAR), light, 0.8, 81, ["a"])  # step 81 is no exploration step
+    assert ctrl.probe[:2] == [8, 0] and ctrl.steps == 81
+    assert ctrl.decide(["a"]).draft_depth >= 6  # one request, cheap rows: speculate deep
+    # 32 requests where every row is dear: plain decoding
+    dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.002, c_pass=0.004, c_draft_row=0.002)
+    many = [f"r{i}" for i in range(32)]
+    ctrl = _feed(DepthController(8, PAR), dear, 0.8, 81, many)
+    plan = ctrl.decide(many)
+    assert plan.draft_depth == 0 and set(plan.depths.values()) == {0} and not plan.explored
+    s = ctrl.summary()
+    assert s["steps"] == 82 and sum(s["draft_depths"].values()) == 82 and s["cost"]["c_row"] > 0.001
+
+
+def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
+    ctrl = DepthController(4, PAR, explore_every=5)
+    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
+    _feed(ctrl, cost, 0.9, 30, ["a", "b"])
+    explored = [ctrl.decide(["a"]).explored for _ in range(10)]  # steps 30..39
+    assert explored == [s % 5 == 0 for s in range(30, 40)]
+    rnd = DepthController(4, SEQ, policy="random", seed=3)
+    plans = [rnd.decide(["a", "b", "c"]) for _ in range(200)]
+    assert all(max(p.depths.values()) <= p.draft_depth for p in plans)
+    assert {p.draft_depth for p in plans} == {0, 1, 2, 3, 4}
+    gated = DepthController(7, PAR, allowed=(7,), policy="random", seed=1)
+    assert {k for p in (gated.decide(["a"]) for _ in range(50)) for k in p.depths.values()} == {0, 7}
+    with pytest.raises(ValueError, match="policy"):
+        DepthController(4, PAR, policy="greedy")

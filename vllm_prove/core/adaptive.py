@@ -1,28 +1,35 @@
-"""Load-adaptive speculation depth, engine-free (issue 12): how many tokens each running request
-speculates in the next engine step, from measured costs and measured acceptance.
+"""Load-adaptive speculation depth, engine-free: how many drafts each running request verifies in
+the next engine step, and how deep every request drafts, from measured costs and acceptance.
 
-Speculation pays only while extra query rows are cheap. With a step that runs `R` requests and
-`rows = R + sum_r K_r` query rows (each request reads its last token plus `K_r` draft tokens),
-the batch commits `sum_r E_r(K_r)` tokens in `t(rows, R)` seconds, where
+Speculation pays only while extra query rows are cheap. A step runs `R` requests; request r
+verifies `K_r` drafts (its last token plus `K_r` rows of the target), and the drafter then drafts
+`D` tokens per request for the next step. The batch commits `sum_r E_r(K_r)` tokens in
 
     E_r(K)  = 1 + sum_{j=1..K} prod_{i=1..j} a_{r,i}      expected committed tokens at depth K
-    t       = c_0 + c_req * R + c_row * rows              step cost, fitted online (StepCostModel)
+    t       = c_0 + c_req R + c_row rows + c_pass passes + c_draft_row draft_rows     (StepCost)
 
-and `a_{r,i}` is request r's probability of accepting draft position i given that every earlier
-one was accepted (AcceptanceTracker: per-request counts with a population prior). The depths
-maximize the batch's tokens per second `sum_r E_r(K_r) / t`. For a cost linear in rows the
-maximum is exact by Dinkelbach's method: for a guess `lam` of the best rate, each request
-independently maximizes `E_r(K) - lam * c_row * K`; the new rate becomes the next `lam`; the
-rate rises strictly until it stops changing (a handful of iterations).
+seconds, where `rows = R + sum K_r`, and the drafter's passes and rows follow from `D` and its
+kind (`StepShape.of`: one pass of `R * D` rows for a parallel drafter, `D` passes for vLLM's
+sequential draft model). `a_{r,i}` is request r's probability of accepting draft position i
+given that every earlier one was accepted (AcceptanceTracker: per-request counts with a
+population prior); the cost terms are fitted online from the engine's own step timings
+(StepCostModel). `choose_depths` maximizes the batch's tokens per second exactly: for each `D`
+the rate is a separable sum over a cost linear in `sum K_r`, which Dinkelbach's method solves
+(for a guess `lam` of the best rate each request maximizes `E_r(K) - lam * a * K`; the rate rises
+strictly until it stops changing), and the best `D` wins.
 
 Depth 0 is a plain decode step for that request. `allowed` restricts a request's choices (a gated
-ProVe mode speculates a full window or nothing: {0, B}). Nothing here touches decoding results:
-lossless modes stay exact under any schedule; only speed depends on the choice.
+ProVe mode speculates a full window or nothing). Nothing here touches decoding results: lossless
+modes stay exact under any schedule; only speed depends on the choice. `DepthController` wraps
+it all into the per-step policy the engine calls (vllm_prove/engine/adaptive.py).
 """
 
 from __future__ import annotations
 
+import enum
 import math
+import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -40,74 +47,130 @@ def expected_committed(
     return 1.0 + torch.cat([zero, torch.cumsum(survive, dim=-1)], dim=-1)
 
 
+class DraftKind(str, enum.Enum):
+    """How the drafter's work grows with the draft depth ``D`` of a step."""
+
+    PARALLEL = "parallel"  # one pass of D rows per request (ProVe-lossless' mask pass); none at D = 0
+    SEQUENTIAL = "sequential"  # vLLM's draft model: a pass over the step's verified rows, then D - 1 one-row passes
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What an engine step computes: the target's query rows and the drafter's passes and rows."""
+
+    requests: int
+    rows: int  # target query rows: each request's last token plus its K_r drafts (plus prefill chunks)
+    draft_passes: int
+    draft_rows: int
+
+    @staticmethod
+    def of(requests: int, spec_tokens: int, draft_depth: int, kind: DraftKind, extra_rows: int = 0) -> "StepShape":
+        """The step that verifies ``spec_tokens`` drafts of ``requests`` requests and drafts
+        ``draft_depth`` tokens for each (``extra_rows``: prefill tokens in the same step)."""
+        rows = requests + spec_tokens + extra_rows
+        if kind is DraftKind.PARALLEL:
+            return StepShape(requests, rows, int(draft_depth > 0), requests * draft_depth)
+        # vLLM's draft model re-reads every verified row (keeping its own KV in step) even at D = 0
+        return StepShape(requests, rows, max(draft_depth, 1), rows + requests * max(draft_depth - 1, 0))
+
+    def features(self) -> torch.Tensor:  # [5] float64
+        return torch.tensor([1.0, self.requests, self.rows, self.draft_passes, self.draft_rows], dtype=torch.float64)
+
+
+COST_TERMS = ("c_0", "c_req", "c_row", "c_pass", "c_draft_row")
+
+
 @dataclass
 class StepCost:
-    """``t = c_0 + c_req * requests + c_row * rows`` seconds."""
+    """``t = c_0 + c_req * requests + c_row * rows + c_pass * draft_passes + c_draft_row * draft_rows``."""
 
     c_0: float
     c_req: float
     c_row: float
+    c_pass: float = 0.0
+    c_draft_row: float = 0.0
 
-    def __call__(self, rows: float, requests: float) -> float:
-        return self.c_0 + self.c_req * requests + self.c_row * rows
+    def __call__(self, shape: StepShape) -> float:
+        return float(self.coefficients() @ shape.features())
+
+    def coefficients(self) -> torch.Tensor:  # [5] float64
+        return torch.tensor([getattr(self, name) for name in COST_TERMS], dtype=torch.float64)
 
 
 def choose_depths(
     # [batch, max_depth + 1] float: E_r(K)
     expected: torch.Tensor,
     cost: StepCost,
+    kind: DraftKind = DraftKind.PARALLEL,
     # [batch, max_depth + 1] bool or None: which depths request r may use (depth 0 always may)
     allowed: torch.Tensor | None = None,
-) -> torch.Tensor:  # [batch] int64: K_r
-    """The depths that maximize ``sum_r E_r(K_r) / t(R + sum K_r, R)`` (Dinkelbach; exact for
-    the linear cost). Ties go to the shorter depth."""
+) -> tuple[torch.Tensor, int]:  # ([batch] int64 K_r, draft depth D >= max K_r)
+    """The verify depths ``K_r`` and the draft depth ``D`` that maximize
+    ``sum_r E_r(K_r) / t(StepShape.of(R, sum K_r, D))``, exactly: for each ``D`` the rate is a
+    ratio of a separable sum and a cost linear in ``sum K_r`` (Dinkelbach); the best ``D`` wins.
+    Ties go to the shallower depth."""
     batch, width = expected.shape
     if batch == 0:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64), 0
     if allowed is None:
         allowed = torch.ones(batch, width, dtype=torch.bool)
     allowed = allowed.clone()
     allowed[:, 0] = True
-    depth = torch.arange(width, dtype=torch.float64)  # [width]
-    E = expected.double()
+    depth = torch.arange(width)  # [width]
+    best_rate, best = -math.inf, (torch.zeros(batch, dtype=torch.int64), 0)
+    for draft_depth in range(width):
+        choice = _dinkelbach(expected.double(), cost, kind, allowed & (depth <= draft_depth)[None, :], draft_depth)
+        rate = _rate(expected, choice, cost, kind, draft_depth)
+        if rate > best_rate + 1e-12:
+            best_rate, best = rate, (choice, draft_depth)
+    return best
+
+
+def _dinkelbach(E: torch.Tensor, cost: StepCost, kind: DraftKind, allowed: torch.Tensor, draft_depth: int) -> torch.Tensor:
+    """argmax over K (within ``allowed``) of sum_r E_r(K_r) / (F + a * sum_r K_r) for fixed D."""
+    batch, width = E.shape
+    # every extra verified draft adds a target row (and, for a sequential drafter, a draft row)
+    per_row = cost.c_row + (cost.c_draft_row if kind is DraftKind.SEQUENTIAL else 0.0)
+    depth = torch.arange(width, dtype=torch.float64)
     choice = torch.zeros(batch, dtype=torch.int64)
-    rate = _rate(E, choice, cost)
+    rate = _rate(E, choice, cost, kind, draft_depth)
     for _ in range(MAX_DINKELBACH_ITERS):
-        score = E - rate * max(cost.c_row, 0.0) * depth[None, :]  # [batch, width]
-        score = torch.where(allowed, score, -math.inf)
+        score = torch.where(allowed, E - rate * max(per_row, 0.0) * depth[None, :], -math.inf)  # [batch, width]
         best = score.max(dim=-1, keepdim=True).values
         new = (score >= best - 1e-12).double().argmax(dim=-1)  # first (shortest) of the maxima
-        new_rate = _rate(E, new, cost)
+        new_rate = _rate(E, new, cost, kind, draft_depth)
         if new_rate <= rate + 1e-12:
             break
         choice, rate = new, new_rate
     return choice
 
 
-def _rate(E: torch.Tensor, choice: torch.Tensor, cost: StepCost) -> float:
-    batch = E.shape[0]
-    tokens = float(E.gather(1, choice[:, None]).sum())
-    return tokens / cost(batch + float(choice.sum()), batch)
+def _rate(E: torch.Tensor, choice: torch.Tensor, cost: StepCost, kind: DraftKind, draft_depth: int) -> float:
+    tokens = float(E.double().gather(1, choice[:, None]).sum())
+    return tokens / cost(StepShape.of(E.shape[0], int(choice.sum()), draft_depth, kind))
 
 
 @dataclass
 class StepCostModel:
-    """Online least squares of step seconds on (1, requests, rows), exponentially forgetting old
-    steps (the load and the machine change); `fit()` gives the current StepCost.
+    """Online least squares of step seconds on ``StepShape.features()``, exponentially forgetting
+    old steps (the load and the machine change); ``fit()`` gives the current StepCost.
 
     Coefficients are kept non-negative (a query row never makes a step cheaper): the fit is
-    re-solved without a coefficient that comes out negative."""
+    re-solved without the terms that come out negative. Terms the data cannot tell apart (at a
+    steady load the request count never moves) share the time by least norm; the controller's
+    exploration steps keep the terms it decides with identifiable."""
 
     forget: float = 0.98  # weight of the past per new step: an effective memory of ~50 steps
-    _xtx: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 3, dtype=torch.float64))
-    _xty: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    _xtx: torch.Tensor = field(default_factory=lambda: torch.zeros(5, 5, dtype=torch.float64))
+    _xty: torch.Tensor = field(default_factory=lambda: torch.zeros(5, dtype=torch.float64))
     count: int = 0
 
-    def update(self, rows: int, requests: int, seconds: float) -> None:
-        if rows < requests or requests < 0 or not (seconds >= 0 and math.isfinite(seconds)):
-            raise ValueError(f"a step needs rows >= requests >= 0 and finite seconds >= 0, "
-                             f"got rows={rows}, requests={requests}, seconds={seconds}")
-        x = torch.tensor([1.0, float(requests), float(rows)], dtype=torch.float64)
+    def update(self, shape: StepShape, seconds: float) -> None:
+        if shape.rows < shape.requests or shape.requests < 0 or min(shape.draft_passes, shape.draft_rows) < 0 \
+                or not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"a step needs rows >= requests >= 0, non-negative draft work and finite "
+                             f"seconds >= 0, got {shape} in {seconds} s")
+        x = shape.features()
         self._xtx = self.forget * self._xtx + torch.outer(x, x)
         self._xty = self.forget * self._xty + seconds * x
         self.count += 1
@@ -115,19 +178,17 @@ class StepCostModel:
     def fit(self) -> StepCost:
         if self.count == 0:
             raise ValueError("no step measured yet: run the start-up probe first")
-        active = [0, 1, 2]
-        for _ in range(3):
+        active = list(range(len(COST_TERMS)))
+        coef = torch.zeros(0, dtype=torch.float64)
+        while active:
             idx = torch.tensor(active)
-            a = self._xtx[idx][:, idx] + 1e-9 * torch.eye(len(active), dtype=torch.float64)
-            coef = torch.linalg.lstsq(a, self._xty[idx]).solution
+            a = self._xtx[idx][:, idx] + 1e-12 * torch.eye(len(active), dtype=torch.float64)
+            coef = torch.linalg.pinv(a, hermitian=True) @ self._xty[idx]
             negative = [active[i] for i, c in enumerate(coef.tolist()) if c < 0]
             if not negative:
                 break
             active = [i for i in active if i not in negative]
-            if not active:
-                coef = torch.zeros(0, dtype=torch.float64)
-                break
-        full = [0.0, 0.0, 0.0]
+        full = [0.0] * len(COST_TERMS)
         for i, c in zip(active, coef.tolist()):
             full[i] = max(c, 0.0)
         return StepCost(*full)
@@ -183,3 +244,88 @@ class AcceptanceTracker:
         n = torch.stack([self._n.get(r, zero) for r in request_ids]) if request_ids else zero[None, :0]
         s = torch.stack([self._s.get(r, zero) for r in request_ids]) if request_ids else zero[None, :0]
         return (s + self.prior * pop) / (n + self.prior)
+
+
+@dataclass
+class Decision:
+    """One step's plan: each request's verify depth ``K_r`` (at most the drafts it holds) and the
+    depth ``D`` every request drafts for the next step."""
+
+    depths: dict
+    draft_depth: int
+    explored: bool
+
+
+class DepthController:
+    """The per-step policy: measured costs and acceptance -> ``choose_depths``.
+
+    The first ``probe_steps`` decisions with running requests cycle through the draft depths
+    (every request verifying all it holds), so the cost fit has seen cheap and dear steps before it
+    decides anything (the start-up probe); afterwards one step in ``explore_every`` draws a depth
+    at random, so the fit keeps seeing more than the one shape it would otherwise choose forever.
+    ``policy="random"`` draws every depth at random (the exactness tests' schedule driver).
+    ``allowed`` restricts the depths (a gated mode: a full window or none)."""
+
+    def __init__(self, max_depth: int, kind: DraftKind, policy: str = "measured", allowed: tuple[int, ...] | None = None,
+                 probe_steps: int | None = None, explore_every: int = 16, seed: int = 0) -> None:
+        if policy not in ("measured", "random"):
+            raise ValueError(f"policy must be 'measured' or 'random', got {policy!r}")
+        self.max_depth, self.kind, self.policy = max_depth, DraftKind(kind), policy
+        self.choices = sorted({0, *(allowed if allowed is not None else range(max_depth + 1))})
+        if self.choices[-1] > max_depth:
+            raise ValueError(f"allowed depths {self.choices} exceed max_depth {max_depth}")
+        self._allowed_row = torch.zeros(max_depth + 1, dtype=torch.bool)
+        self._allowed_row[self.choices] = True
+        # probe order: deepest, none, then the rest from deep to shallow, twice
+        order = [self.choices[-1], 0] + [d for d in reversed(self.choices) if d not in (0, self.choices[-1])]
+        self.probe = order * 2 if probe_steps is None else (order * probe_steps)[:probe_steps]
+        self.explore_every = explore_every
+        self.tracker = AcceptanceTracker(max_depth=max(max_depth, 1))
+        self.costs = StepCostModel()
+        self.steps = 0
+        self.depth_counts: Counter = Counter()  # K_r over every (request, step) decided
+        self.draft_depth_counts: Counter = Counter()
+        self._rng = random.Random(seed)
+
+    def decide(self, request_ids: list) -> Decision:
+        if not request_ids:
+            return Decision({}, self.choices[-1] if self.policy == "measured" else 0, False)
+        step, self.steps = self.steps, self.steps + 1
+        if self.policy == "random":
+            d = self._rng.choice(self.choices)
+            return self._record(Decision({r: self._rng.choice([k for k in self.choices if k <= d])
+                                          for r in request_ids}, d, True))
+        if step < len(self.probe) or self.costs.count == 0 or step % self.explore_every == 0:
+            d = self.probe[step] if step < len(self.probe) else self._rng.choice(self.choices)
+            return self._record(Decision({r: d for r in request_ids}, d, True))
+        expected = expected_committed(self.tracker.rates(request_ids)[:, : self.max_depth])
+        allowed = self._allowed_row[None, :].expand(len(request_ids), -1)
+        depths, d = choose_depths(expected, self.costs.fit(), self.kind, allowed)
+        return self._record(Decision(dict(zip(request_ids, depths.tolist())), d, False))
+
+    def _record(self, decision: Decision) -> Decision:
+        self.depth_counts.update(decision.depths.values())
+        self.draft_depth_counts[decision.draft_depth] += 1
+        return decision
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        self.costs.update(shape, seconds)
+
+    def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
+        self.tracker.record(request_id, min(num_draft_tokens, self.tracker.max_depth),
+                            min(num_accepted, num_draft_tokens, self.tracker.max_depth))
+
+    def finish(self, request_id) -> None:
+        self.tracker.forget(request_id)
+
+    def summary(self) -> dict:
+        """Decisions so far and the current estimates (JSON-ready)."""
+        cost = self.costs.fit() if self.costs.count else None
+        return {
+            "policy": self.policy,
+            "steps": self.steps,
+            "depths": {int(k): int(v) for k, v in sorted(self.depth_counts.items())},
+            "draft_depths": {int(k): int(v) for k, v in sorted(self.draft_depth_counts.items())},
+            "cost": None if cost is None else {name: getattr(cost, name) for name in COST_TERMS},
+            "acceptance": [round(a, 4) for a in self.tracker.population().tolist()],
+        }

@@ -66,6 +66,9 @@ class DecodeConfig(_Strict):
     """Gate kind used by `method=prove`."""
     k: int = Field(3, ge=1, le=32)
     """SD draft length (paper baselines: 3 and 5)."""
+    adaptive: bool = True
+    """`--engine vllm`, methods prove-lossless and sd: the load-adaptive speculation depth
+    (docs/METHODS.md §9); False = every request speculates the full depth every step."""
     max_tokens: int = Field(64, ge=1, le=1_000_000)
     """Generated tokens per request, at most (EOS stops earlier)."""
     batch_size: int = Field(1, ge=1, le=4096)
@@ -188,11 +191,12 @@ class EngineMode(str, enum.Enum):
     LOSSLESS = "lossless"  # docs/METHODS.md §4: mask pass over the served model's own KV, vLLM verifies
     VERIFIER = "verifier"  # docs/METHODS.md §3: a small verifier scores the block, a gate commits
     MARS = "mars"  # docs/METHODS.md §5: the tau rule, no verifier pass
+    SD = "sd"  # vLLM's own draft-model SD (the user's speculative_config), under the adaptive depth
 
     @property
     def gated(self) -> bool:
         """Whether a ProVe gate (not vLLM's rejection sampler) decides what is committed."""
-        return self is not EngineMode.LOSSLESS
+        return self in (EngineMode.VERIFIER, EngineMode.MARS)
 
 
 _DECODE_FIELDS = DecodeConfig.model_fields  # shared field definitions: one place for each range
@@ -224,17 +228,32 @@ class ProveEngineConfig(_Strict):
     """Gated modes, a request the gate cannot decode exactly (temperature > 0, logprobs, n > 1,
     penalties, ...): `fallback` decodes it in the same batch with vLLM's sampler and no window;
     `refuse` answers 400 naming the fields."""
+    adaptive: bool | None = None
+    """Load-adaptive speculation depth (docs/METHODS.md §9): every engine step, each request's
+    depth from measured step costs and acceptance. None = on where built (lossless, sd), off in
+    the gated modes (whose window depth is not adaptive yet); False = the fixed depth."""
+    adaptive_policy: Literal["measured", "random"] = "measured"
+    """`measured`: the controller maximizes expected committed tokens per second; `random`:
+    depths drawn at random every step (a diagnostic: exact modes must not change their output)."""
 
     @model_validator(mode="after")
     def _verifier_only_in_verifier_mode(self) -> "ProveEngineConfig":
         if self.verifier is not None and self.mode is not EngineMode.VERIFIER:
             raise ProveError(f"verifier: only mode='verifier' reads a verifier, got mode={self.mode.value!r}")
+        if self.adaptive and self.mode.gated:
+            raise ProveError(f"adaptive: mode={self.mode.value!r} speculates a fixed window (the adaptive depth "
+                             "runs in modes 'lossless' and 'sd'); leave adaptive unset or false")
         return self
+
+    @property
+    def adaptive_on(self) -> bool:
+        """Whether the adaptive depth controller runs (the `adaptive` default resolved)."""
+        return (not self.mode.gated) if self.adaptive is None else self.adaptive
 
     @property
     def num_speculative_tokens(self) -> int:
         """vLLM's `num_speculative_tokens` for this mode and block size."""
-        return self.block_size if self.mode is EngineMode.LOSSLESS else self.block_size - 1
+        return self.block_size - 1 if self.mode.gated else self.block_size
 
     @property
     def threshold(self) -> float:

@@ -243,6 +243,40 @@ def test_speculative_config_conflicting_with_additional_config_names_the_field()
                         additional_config={"prove": {"block_size": 8}})
 
 
+def test_adaptive_depth_is_the_default_where_built_and_fixed_depth_keeps_vllms_scheduler():
+    adaptive = "vllm_prove.engine.adaptive.AdaptiveScheduler"
+    lossless = _config_summary(additional_config={"prove": {"mode": "lossless"}})
+    assert lossless["scheduler"] == adaptive and lossless["prove"]["adaptive"] is None
+    fixed = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}})
+    from vllm.engine.arg_utils import EngineArgs
+
+    plain = EngineArgs(model=PROPOSER, dtype="float32", max_model_len=384).create_engine_config()
+    assert fixed["scheduler"] == str(plain.scheduler_config.scheduler_cls)  # vLLM's own
+    gated = _config_summary(additional_config=prove_config("mars"))
+    assert gated["scheduler"] == "vllm_prove.engine.scheduler.ProveScheduler"
+    # vLLM's own draft-model SD under the adaptive depth: the user's speculative_config, K kept
+    sd = _config_summary(speculative_config={"method": "draft_model", "model": VERIFIER, "num_speculative_tokens": 5},
+                         additional_config={"prove": {"mode": "sd"}})
+    assert (sd["scheduler"], sd["draft"], sd["k"], sd["parallel"]) == (adaptive, VERIFIER, 5, False)
+    assert sd["prove"]["block_size"] == 5 and sd["worker"].endswith("ProveCPUWorker")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"additional_config": {"prove": {"mode": "mars", "adaptive": True}}},
+     r"adaptive: mode='mars' speculates a fixed window"),
+    ({"additional_config": {"prove": {"mode": "sd"}}}, r"^mode: 'sd' runs vLLM's draft-model speculative decoding"),
+    ({"additional_config": {"prove": {"mode": "sd", "block_size": 4}},
+      "speculative_config": {"method": "draft_model", "model": VERIFIER, "num_speculative_tokens": 5}},
+     r"^block_size: 4 disagrees with speculative_config\['num_speculative_tokens'\] = 5"),
+    ({"additional_config": {"prove": {"mode": "lossless"}}, "async_scheduling": True},
+     r"^async_scheduling: the adaptive depth times each step"),
+    ({"additional_config": {"prove": {"mode": "lossless", "adaptive_policy": "greedy"}}}, r"adaptive_policy"),
+])
+def test_bad_adaptive_settings_stop_start_up_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _config_summary(**kwargs)
+
+
 def test_gate_support_is_read_off_sampling_params():
     """Any SamplingParams field off its default makes a request not gate-able, except the
     fields that never change a greedy step's token (lengths, stops, formatting)."""

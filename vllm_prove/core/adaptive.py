@@ -200,7 +200,7 @@ class AcceptanceTracker:
 
     ``a_{r,i} = (s_{r,i} + prior * p_i) / (n_{r,i} + prior)``: ``n`` = times position i was
     drafted with 1..i-1 accepted, ``s`` = times it was then accepted too; ``p_i`` is the same
-    ratio over every request seen (with `initial` before any data)."""
+    ratio over every request seen, itself shrunk towards `initial`."""
 
     max_depth: int
     prior: float = 4.0  # pseudo-observations of the population a request starts with
@@ -236,7 +236,9 @@ class AcceptanceTracker:
         self._s.pop(request_id, None)
 
     def population(self) -> torch.Tensor:  # [max_depth]
-        return torch.where(self._pop_n > 0, self._pop_s / self._pop_n.clamp(min=1), self.initial)
+        """Pooled over every request, shrunk towards `initial` by `prior` pseudo-observations (a
+        position drafted twice and rejected twice is not yet known to be worthless)."""
+        return (self._pop_s + self.prior * self.initial) / (self._pop_n + self.prior)
 
     def rates(self, request_ids: list) -> torch.Tensor:  # [batch, max_depth]
         pop = self.population()
@@ -285,6 +287,7 @@ class DepthController:
         self.steps = 0
         self.depth_counts: Counter = Counter()  # K_r over every (request, step) decided
         self.draft_depth_counts: Counter = Counter()
+        self.last_cost: StepCost | None = None  # the fit of the last measured decision
         self._rng = random.Random(seed)
 
     def decide(self, request_ids: list) -> Decision:
@@ -300,7 +303,8 @@ class DepthController:
             return self._record(Decision({r: d for r in request_ids}, d, True))
         expected = expected_committed(self.tracker.rates(request_ids)[:, : self.max_depth])
         allowed = self._allowed_row[None, :].expand(len(request_ids), -1)
-        depths, d = choose_depths(expected, self.costs.fit(), self.kind, allowed)
+        self.last_cost = self.costs.fit()
+        depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
         return self._record(Decision(dict(zip(request_ids, depths.tolist())), d, False))
 
     def _record(self, decision: Decision) -> Decision:
@@ -318,9 +322,10 @@ class DepthController:
     def finish(self, request_id) -> None:
         self.tracker.forget(request_id)
 
-    def summary(self) -> dict:
-        """Decisions so far and the current estimates (JSON-ready)."""
-        cost = self.costs.fit() if self.costs.count else None
+    def summary(self, refit: bool = True) -> dict:
+        """Decisions so far and the cost estimates (JSON-ready); ``refit=False`` reports the fit the
+        last measured decision used instead of fitting again (cheap enough for every step)."""
+        cost = self.costs.fit() if refit and self.costs.count else self.last_cost
         return {
             "policy": self.policy,
             "steps": self.steps,
@@ -329,3 +334,18 @@ class DepthController:
             "cost": None if cost is None else {name: getattr(cost, name) for name in COST_TERMS},
             "acceptance": [round(a, 4) for a in self.tracker.population().tolist()],
         }
+
+
+def summary_delta(before: dict | None, after: dict) -> dict:
+    """The decisions between two ``DepthController.summary()`` snapshots of one engine (a run's
+    own share), with the mean verify depth and the share of plain (depth-0) request steps, and
+    the cost estimates as of ``after``."""
+    out = {"policy": after["policy"], "steps": after["steps"] - (before or {}).get("steps", 0), "cost": after["cost"]}
+    for key in ("depths", "draft_depths"):
+        earlier = (before or {}).get(key, {})
+        hist = {int(k): v - earlier.get(k, earlier.get(str(k), 0)) for k, v in after[key].items()}
+        out[key] = {k: v for k, v in sorted(hist.items()) if v}
+    total = sum(out["depths"].values())
+    out["mean_depth"] = round(sum(k * v for k, v in out["depths"].items()) / total, 3) if total else None
+    out["plain_share"] = round(out["depths"].get(0, 0) / total, 4) if total else None
+    return out

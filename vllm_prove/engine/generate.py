@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from vllm_prove.config import DecodeConfig, Method
+from vllm_prove.core.adaptive import summary_delta
 from vllm_prove.reference.runner import RequestResult, zoo_path
 from vllm_prove.errors import ProveError
 
@@ -40,7 +41,9 @@ def method_flags(cfg: DecodeConfig) -> dict:
     if cfg.method is Method.AR:
         return {}
     if cfg.method is Method.SD:  # vLLM's own draft-model SD, the verifier as the drafter
-        return {"speculative_config": {"method": "draft_model", "model": verifier, "num_speculative_tokens": cfg.k}}
+        spec = {"speculative_config": {"method": "draft_model", "model": verifier, "num_speculative_tokens": cfg.k}}
+        # adaptive: the plug-in's mode "sd" puts vLLM's SD under the adaptive depth; fixed: vLLM alone
+        return spec | ({"additional_config": {"prove": {"mode": "sd"}}} if cfg.adaptive else {})
     prove = {"block_size": cfg.block_size}
     if cfg.mask_token_id is not None:
         prove["mask_token_id"] = cfg.mask_token_id
@@ -49,7 +52,7 @@ def method_flags(cfg: DecodeConfig) -> dict:
     elif cfg.method is Method.PROVE:
         prove |= {"mode": "verifier", "verifier": verifier, "theta": cfg.theta, "gate": cfg.gate.value}
     else:
-        prove |= {"mode": "lossless"}
+        prove |= {"mode": "lossless", "adaptive": cfg.adaptive}
     return {"additional_config": {"prove": prove}}
 
 
@@ -82,12 +85,24 @@ def engine(kwargs: dict):
         gc.collect()
 
 
+def adaptive_summary(llm) -> dict | None:
+    """``DepthController.summary()`` of an engine running the adaptive depth (from its worker,
+    ``ProveWorker.prove_adaptive_summary``); None for an engine without it."""
+    from vllm_prove.engine.settings import engine_settings
+
+    settings = engine_settings(llm.llm_engine.vllm_config)
+    if settings is None or settings.mode.gated or not settings.adaptive_on:
+        return None
+    return llm.collective_rpc("prove_adaptive_summary")[0]
+
+
 def drive(llm, prompts: list[str], params, in_flight: int) -> tuple[list[RequestResult], dict]:
     """Decode ``prompts`` with at most ``in_flight`` requests in the engine at a time.
 
     Returns one ``RequestResult`` per prompt (``prompt_token_ids`` attached) and the run's
-    ``seconds`` and ``engine_steps``. ``cycles`` of a request = engine steps that gave it
-    tokens (its prefill step included).
+    ``seconds``, ``engine_steps`` and ``adaptive`` (the adaptive depth's decisions during the
+    run, ``core.adaptive.summary_delta``; None without it). ``cycles`` of a request = engine
+    steps that gave it tokens (its prefill step included).
     """
     if in_flight < 1:
         raise ProveError(f"batch_size: requests in flight must be >= 1, got {in_flight}")
@@ -95,6 +110,7 @@ def drive(llm, prompts: list[str], params, in_flight: int) -> tuple[list[Request
     results = [RequestResult(i, p) for i, p in enumerate(prompts)]
     queue, live, started = deque(range(len(prompts))), set(), {}
     steps = 0
+    depth_before = adaptive_summary(llm)
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < in_flight:
@@ -115,7 +131,10 @@ def drive(llm, prompts: list[str], params, in_flight: int) -> tuple[list[Request
                 res.text = completion.text
                 res.prompt_token_ids = list(out.prompt_token_ids or [])
                 live.discard(i)
-    return results, {"seconds": time.perf_counter() - t0, "engine_steps": steps}
+    seconds = time.perf_counter() - t0
+    depth_after = adaptive_summary(llm)
+    depth = None if depth_after is None else summary_delta(depth_before, depth_after)
+    return results, {"seconds": seconds, "engine_steps": steps, "adaptive": depth}
 
 
 def summarize(cfg: DecodeConfig, results: list[RequestResult], run: dict, spec=None) -> dict:
@@ -131,6 +150,9 @@ def summarize(cfg: DecodeConfig, results: list[RequestResult], run: dict, spec=N
     out |= {"theta": cfg.theta, "gate": cfg.gate.value} if cfg.method is Method.PROVE else {}
     out |= {"tau": cfg.tau} if cfg.method is Method.MARS else {}
     out |= {"k": cfg.k} if cfg.method is Method.SD else {}
+    out |= {"adaptive": cfg.adaptive} if cfg.method in (Method.SD, Method.PROVE_LOSSLESS) else {}
+    if run.get("adaptive") is not None:
+        out["adaptive_depth"] = run["adaptive"]
     if spec is not None and spec.num_drafts:
         out["spec_decode"] = spec.to_json()
     return out

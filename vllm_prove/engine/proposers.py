@@ -68,6 +68,15 @@ class SelfMaskProposer(SharedTargetProposer):
         self._runner = runner
         self._draft_offsets = torch.arange(self.num_speculative_tokens, dtype=torch.int64, device=device)  # [K]
 
+    def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
+        """vLLM's ``propose``; at depth 0 (the adaptive depth's plain step) no mask pass at all:
+        the target's own KV is already complete, nothing needs to be kept in step."""
+        if num_speculative_tokens == 0:
+            self.num_speculative_tokens, self._last_draft_probs = 0, None
+            batch = kwargs["common_attn_metadata"].batch_size()
+            return torch.empty(batch, 0, dtype=torch.int64, device=self.device)
+        return super().propose(num_speculative_tokens, *args, **kwargs)
+
     def set_inputs_first_pass(
         self,
         target_token_ids: torch.Tensor,

@@ -13,8 +13,11 @@ The settings decide vLLM's flags, so the user writes only ``additional_config``:
 | lossless | draft_model = the served model, K = B, parallel_drafting, probabilistic drafts | ProVe | vLLM's |
 | verifier | draft_model = the verifier, K = B - 1 (its KV shares the block table) | ProVe | ProVe |
 | mars | draft_model = the served model (never loaded twice), K = B - 1 | ProVe | ProVe |
+| sd | the user's own draft_model ``speculative_config``, K = its num_speculative_tokens | ProVe | adaptive |
 
-A ``speculative_config`` given by the user must agree with this (a conflict names the key).
+In lossless and sd mode the scheduler is ``AdaptiveScheduler`` (load-adaptive depth) unless
+``adaptive`` is false, which leaves vLLM's. A ``speculative_config`` given by the user must
+agree with this (a conflict names the key).
 
 ProVe can also be turned on through ``--speculative-config`` alone: ``{"model":
 "vllm_prove.lossless", "num_speculative_tokens": 8}`` (or ``vllm_prove.verifier`` /
@@ -35,12 +38,13 @@ from vllm_prove.errors import ProveError
 # additional_config key that carries the settings (part of vLLM's config hash).
 PROVE_KEY = "prove"
 SCHEDULER_CLS = "vllm_prove.engine.scheduler.ProveScheduler"
+ADAPTIVE_SCHEDULER_CLS = "vllm_prove.engine.adaptive.AdaptiveScheduler"
 CPU_WORKER_CLS = "vllm_prove.engine.worker.ProveCPUWorker"
 GPU_WORKER_CLS = "vllm_prove.engine.worker.ProveGPUWorker"
 
 
 # `speculative_config["model"]` names that select a ProVe mode (`--speculative-config`).
-SPECULATIVE_MODELS = {f"vllm_prove.{mode.value}": mode for mode in EngineMode}
+SPECULATIVE_MODELS = {f"vllm_prove.{mode.value}": mode for mode in EngineMode if mode is not EngineMode.SD}
 
 
 def settings_from_speculative_config(args) -> None:  # args: EngineArgs, mutable
@@ -124,9 +128,28 @@ def resolve_verifier(settings: ProveEngineConfig, user_spec: dict[str, Any], mod
     return verifier
 
 
+def resolve_sd_settings(settings: ProveEngineConfig, user_spec: dict[str, Any]) -> ProveEngineConfig:
+    """Mode ``sd``: vLLM's draft-model SD as the user configured it; ``block_size`` is its K."""
+    if user_spec.get("method", "draft_model") != "draft_model" or not user_spec.get("model"):
+        raise ProveError("mode: 'sd' runs vLLM's draft-model speculative decoding under the adaptive depth; give "
+                         "speculative_config={'method': 'draft_model', 'model': DRAFT, 'num_speculative_tokens': K}")
+    k = user_spec.get("num_speculative_tokens")
+    if k is None:
+        return settings
+    if "block_size" in settings.model_fields_set and settings.block_size != k:
+        raise ProveError(f"block_size: {settings.block_size} disagrees with speculative_config"
+                         f"['num_speculative_tokens'] = {k} (mode 'sd': the block is the K drafts)")
+    try:
+        return ProveEngineConfig.model_validate({**settings.model_dump(), "block_size": k})
+    except ValidationError as err:
+        raise ProveError(f"speculative_config['num_speculative_tokens'] = {k}: {err}") from err
+
+
 def speculative_config_for(settings: ProveEngineConfig, model: str, verifier: str | None) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` for a mode (see the module table)."""
+    """vLLM's ``speculative_config`` for a mode (see the module table; ``sd`` keeps the user's model)."""
     spec: dict[str, Any] = {"method": "draft_model", "num_speculative_tokens": settings.num_speculative_tokens}
+    if settings.mode is EngineMode.SD:
+        return spec
     if settings.mode is EngineMode.LOSSLESS:
         # The mask-pass distributions become the draft probabilities of vLLM's rejection
         # sampler (llm_base_proposer.py:258): exact speculative sampling at temperature > 0.
@@ -178,8 +201,12 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
     if settings is None:
         return None
     check_vllm_version()  # the adapters below use private internals of one vLLM release
-    mask_token_id = resolve_mask_token_id(settings, args.model, args.trust_remote_code)
     user_spec = dict(args.speculative_config or {})
+    if settings.mode is EngineMode.SD:
+        settings = resolve_sd_settings(settings, user_spec)
+        mask_token_id = settings.mask_token_id  # vLLM's SD feeds no placeholder
+    else:
+        mask_token_id = resolve_mask_token_id(settings, args.model, args.trust_remote_code)
     verifier = None
     if settings.mode is EngineMode.VERIFIER:
         verifier = resolve_verifier(settings, user_spec, args.model, args.trust_remote_code)
@@ -192,10 +219,13 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
 
     worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
     _set_engine_class(args, "worker_cls", worker_cls, ("auto",))
-    if settings.mode.gated:
-        _set_engine_class(args, "scheduler_cls", SCHEDULER_CLS, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
+    scheduler_cls = SCHEDULER_CLS if settings.mode.gated else ADAPTIVE_SCHEDULER_CLS if settings.adaptive_on else None
+    if scheduler_cls is not None:
+        _set_engine_class(args, "scheduler_cls", scheduler_cls, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
         if args.async_scheduling:
-            raise ProveError("async_scheduling: the gated ProVe modes roll back num_computed_tokens in a sync scheduler")
+            why = ("the gated ProVe modes roll back num_computed_tokens" if settings.mode.gated else
+                   "the adaptive depth times each step and decides the next one (set adaptive=false to keep it)")
+            raise ProveError(f"async_scheduling: {why} in a synchronous scheduler")
         args.async_scheduling = False
     return resolved
 

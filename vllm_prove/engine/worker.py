@@ -39,7 +39,7 @@ def install(worker) -> None:
         )
     if settings.mode is EngineMode.LOSSLESS:
         runner.drafter = SelfMaskProposer(worker.vllm_config, runner.device, runner)
-    else:
+    elif settings.mode.gated:
         if settings.mode is EngineMode.MARS:
             runner.drafter = SharedTargetProposer(worker.vllm_config, runner.device, runner)
         # verifier mode keeps vLLM's DraftModelProposer: it loads the verifier and its KV.
@@ -56,6 +56,14 @@ class _ProveWorkerMixin:
         super().init_device()
         install(self)
 
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        from vllm_prove.engine.adaptive import SUMMARY_ATTR
+
+        summary = getattr(scheduler_output, SUMMARY_ATTR, None)
+        if summary is not None:
+            self._prove_adaptive_summary = summary
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
     def prove_probe(self) -> dict[str, Any]:
         """What the engine is running: runner, drafter, weight/KV sharing, KV blocks."""
         runner = self.model_runner
@@ -69,6 +77,11 @@ class _ProveWorkerMixin:
             "kv_layers": sorted(name for group in kv_config.kv_cache_groups for name in group.layer_names),
             "num_blocks": kv_config.num_blocks,
         }
+
+    def prove_adaptive_summary(self) -> dict | None:
+        """The adaptive depth's decisions and cost estimates as of the last step (None before any,
+        or without the adaptive depth): ``DepthController.summary()``, sent by the scheduler."""
+        return getattr(self, "_prove_adaptive_summary", None)
 
     def prove_set_cpu_sampling_fix(self, enabled: bool) -> bool:
         """Switch the CPU expand-kernel fix (test of ``cpu_fixes``); True if it applies here."""

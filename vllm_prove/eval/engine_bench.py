@@ -57,20 +57,23 @@ class EngineRun:
         return engine_gen.parallel_draft_flags(cfg) if self.parallel_draft else engine_gen.method_flags(cfg)
 
 
+FIXED = {"adaptive": False}  # the full depth every step (vLLM's own SD: no plug-in at all)
 ENGINE_RUNS = [
     EngineRun("ar", {"method": Method.AR}),
-    EngineRun("sd k=3", {"method": Method.SD, "k": 3}),
-    EngineRun("sd k=5", {"method": Method.SD, "k": 5}),
+    EngineRun("sd k=3", {"method": Method.SD, "k": 3, **FIXED}),
+    EngineRun("sd k=5", {"method": Method.SD, "k": 5, **FIXED}),
+    EngineRun("sd k=5 adaptive", {"method": Method.SD, "k": 5}),
     EngineRun("parallel-draft", {"method": Method.PROVE_LOSSLESS}, parallel_draft=True),
     EngineRun("mars tau=0.95", {"method": Method.MARS, "tau": 0.95}),
     EngineRun("prove theta=0.1", {"method": Method.PROVE, "theta": 0.1}),
     EngineRun("prove theta=0.05", {"method": Method.PROVE, "theta": 0.05}),
     EngineRun("prove theta=0.01", {"method": Method.PROVE, "theta": 0.01}),
-    EngineRun("prove-lossless", {"method": Method.PROVE_LOSSLESS}),
+    EngineRun("prove-lossless", {"method": Method.PROVE_LOSSLESS, **FIXED}),
+    EngineRun("prove-lossless adaptive", {"method": Method.PROVE_LOSSLESS}),
 ]
 BF16_RUNS = [
     EngineRun("ar bf16", {"method": Method.AR, "dtype": "bfloat16"}),
-    EngineRun("prove-lossless bf16", {"method": Method.PROVE_LOSSLESS, "dtype": "bfloat16"}),
+    EngineRun("prove-lossless bf16", {"method": Method.PROVE_LOSSLESS, "dtype": "bfloat16", **FIXED}),
 ]
 PROBE = ("def main():\n", 8)
 SWEEP_THETA = 0.1  # the gated row of the block-size sweep
@@ -82,7 +85,7 @@ def sweep_runs(block_sizes, default_block_size: int) -> list[EngineRun]:
     runs = []
     for b in block_sizes:
         if b != default_block_size:
-            runs += [EngineRun(f"prove-lossless B={b}", {"method": Method.PROVE_LOSSLESS, "block_size": b}),
+            runs += [EngineRun(f"prove-lossless B={b}", {"method": Method.PROVE_LOSSLESS, "block_size": b, **FIXED}),
                      EngineRun(f"prove theta={SWEEP_THETA} B={b}",
                                {"method": Method.PROVE, "theta": SWEEP_THETA, "block_size": b})]
     return runs
@@ -170,9 +173,15 @@ def same_as_reference_share(tokens: list[list[int]], reference: list[list[int]])
 
 
 def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 4, 16), runs=None,
-                     bf16: bool = False, out_dir: str | Path | None = None, log=print, progress=None) -> dict:
+                     bf16: bool = False, repeats: int = 1, out_dir: str | Path | None = None, log=print,
+                     progress=None) -> dict:
     """Run every configuration; `log(line)` gets each table row as its engine finishes;
-    `progress` (a stream) shows one bar over all engines and concurrencies."""
+    `progress` (a stream) shows one bar over all engines and concurrencies. With `repeats` > 1
+    each concurrency runs that many times back to back on its engine: a row reports the median
+    tokens/s, the median of the per-repeat ratios to AR (repeat i against AR's repeat i) and
+    their spread, and the other fields of the median repeat."""
+    if repeats < 1:
+        raise ProveError(f"--repeats: at least 1, got {repeats}")
     from tqdm import tqdm
 
     from transformers import AutoModelForCausalLM
@@ -195,8 +204,8 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     for n in in_flight:
         cost(base.block_size, n)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    rows, reference = [], {}  # reference[(dtype, n)]: AR's tokens per prompt
-    bar = tqdm(total=len(runs) * len(in_flight), desc="engines", unit="run", file=progress,
+    rows, reference, ar_speeds = [], {}, {}  # [(dtype, n)]: AR's tokens per prompt, its tokens/s per repeat
+    bar = tqdm(total=len(runs) * len(in_flight) * repeats, desc="engines", unit="run", file=progress,
                disable=progress is None, dynamic_ncols=True)
     for run in runs:
         bar.set_postfix_str(run.label)
@@ -208,28 +217,36 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
                 raise RuntimeError(f"{run.label}: the speed probe produced no tokens")
             run_rows = []
             for n in in_flight:
-                before = metrics.from_engine_metrics(llm.get_metrics())
-                results, driven = engine_gen.drive(llm, prompts, params, n)
-                spec = metrics.from_engine_metrics(llm.get_metrics()) - before
+                reps = []  # (results, driven, spec) per repeat, back to back on this engine
+                for _ in range(repeats):
+                    before = metrics.from_engine_metrics(llm.get_metrics())
+                    results, driven = engine_gen.drive(llm, prompts, params, n)
+                    reps.append((results, driven, metrics.from_engine_metrics(llm.get_metrics()) - before))
+                    bar.update()
+                speeds = [sum(len(r.token_ids) for r in res) / d["seconds"] for res, d, _ in reps]
+                if run.label == "ar":
+                    ar_speeds[(cfg.dtype, n)] = speeds
+                ar = ar_speeds.get(("float32", n))
+                ratios = sorted(v / a for v, a in zip(speeds, ar)) if ar else None
+                results, driven, spec = reps[sorted(range(repeats), key=speeds.__getitem__)[repeats // 2]]
                 summary = engine_gen.summarize(cfg.model_copy(update={"batch_size": n}), results, driven, spec)
                 tokens = [r.token_ids for r in results]
                 if cfg.method is Method.AR:
                     reference[(cfg.dtype, n)] = tokens
-                ar_tps = summary["tokens_per_s"] if run.label == "ar" else next(
-                    (r["tokens_per_s"] for r in rows if r["label"] == "ar" and r["in_flight"] == n), None)
                 ideal = ideal_speedup(max(1.0, summary["committed_per_cycle"]),
                                       cycle_cost(cfg.method, cfg.k, cost(cfg.block_size, n)))
-                ratio = summary["tokens_per_s"] / ar_tps if ar_tps else None
+                ratio = ratios[len(ratios) // 2] if ratios else None
                 ar_ref = reference.get((cfg.dtype, n))
                 row = {"label": run.label, "in_flight": n, "dtype": cfg.dtype, **summary,
+                       "repeats": repeats, "tokens_per_s_repeats": [round(v, 2) for v in speeds],
                        "ratio_to_ar": None if ratio is None else round(ratio, 3),
+                       "ratio_spread": None if ratios is None else [round(ratios[0], 3), round(ratios[-1], 3)],
                        "same_as_ar": round(same_as_reference_share(tokens, ar_ref), 4) if ar_ref else None,
                        "off_argmax": round(off_argmax_share(proposer, results), 4),
                        "ms_per_step": round(1000 * driven["seconds"] / max(1, driven["engine_steps"]), 2),
                        "ideal_speedup": round(ideal, 3),
                        "efficiency": None if ratio is None else round(ratio / ideal, 3)}
                 run_rows.append(row)
-                bar.update()
             peak, capacity = engine_peak_rss_mb(), kv_capacity_tokens(llm)
         for row in run_rows:
             row |= {"peak_rss_mb": peak, "kv_capacity_tokens": capacity}
@@ -237,7 +254,7 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
             log(format_row(row))
         log(f"  ({run.label}: engine start + runs {time.perf_counter() - t_start:.0f} s)")
     bar.close()
-    report = {"prompts": len(prompts), "max_tokens": max_tokens, "in_flight": list(in_flight),
+    report = {"prompts": len(prompts), "max_tokens": max_tokens, "in_flight": list(in_flight), "repeats": repeats,
               "pass_seconds": {f"B={b} n={n}": c for (b, n), c in costs.items()}, "rows": rows,
               "machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "torch": torch.__version__}}
     if out_dir is not None:
@@ -248,13 +265,19 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     return report
 
 
-HEADER = (f"{'method':<21}{'n':>3}{'tok/s':>8}{'x AR':>6}{'commit/cyc':>11}{'ms/step':>8}{'=AR':>6}{'off-argmax':>11}"
-          f"{'peak MB':>8}{'KV tok':>7}{'ideal':>7}{'eff':>6}")
+HEADER = (f"{'method':<24}{'n':>3}{'tok/s':>8}{'x AR':>6}{'spread':>11}{'commit/cyc':>11}{'K avg':>6}{'K=0':>5}"
+          f"{'ms/step':>8}{'=AR':>6}{'off-argmax':>11}{'peak MB':>8}{'KV tok':>7}{'ideal':>7}{'eff':>6}")
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['label']:<21}{row['in_flight']:>3}{_fmt(row['tokens_per_s'], '8.1f')}"
-            f"{_fmt(row['ratio_to_ar'], '6.2f')}{_fmt(row['committed_per_cycle'], '11.2f')}"
+    spread = row.get("ratio_spread")
+    spread = f"{spread[0]:.2f}-{spread[1]:.2f}" if spread and row.get("repeats", 1) > 1 else "-"
+    depth = row.get("adaptive_depth") or {}  # the adaptive depth's mean K and share of plain steps
+    plain = depth.get("plain_share")
+    return (f"{row['label']:<24}{row['in_flight']:>3}{_fmt(row['tokens_per_s'], '8.1f')}"
+            f"{_fmt(row['ratio_to_ar'], '6.2f')}{spread:>11}"
+            f"{_fmt(row['committed_per_cycle'], '11.2f')}{_fmt(depth.get('mean_depth'), '6.1f')}"
+            f"{'-' if plain is None else f'{100 * plain:.0f}%':>5}"
             f"{_fmt(row.get('ms_per_step'), '8.2f')}{_fmt(row['same_as_ar'], '6.3f')}{_fmt(row['off_argmax'], '11.4f')}{_fmt(row['peak_rss_mb'], '8.0f')}"
             f"{_fmt(row['kv_capacity_tokens'], '7d')}{_fmt(row['ideal_speedup'], '7.2f')}{_fmt(row['efficiency'], '6.2f')}")
 

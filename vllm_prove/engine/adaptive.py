@@ -1,0 +1,105 @@
+"""Load-adaptive speculation depth inside vLLM's scheduler (docs/METHODS.md §9).
+
+``AdaptiveScheduler`` is vLLM's synchronous ``Scheduler`` with one decision per engine step,
+taken by the engine-free ``core.adaptive.DepthController``; this module only measures and
+applies. Per step:
+
+1. **Decide** (start of ``schedule``): for every decoding request the verify depth ``K_r`` and
+   for the whole batch the draft depth ``D`` of the next step.
+2. **Apply**: a request's drafts are cut to ``K_r`` before vLLM schedules them (vLLM cuts drafts
+   the same way when the token budget runs short, ``scheduler.py:861-876``; the rejection
+   sampler and the draft probabilities follow per request, ``gpu_model_runner.py:4719``), and
+   ``SchedulerOutput.num_spec_tokens_to_schedule = D`` makes the drafter draft ``D`` tokens per
+   request after this step's verification: vLLM's dynamic-SD field, read by every drafter's
+   ``propose(num_speculative_tokens=...)`` (``gpu_model_runner.py:4763``). ``D = 0`` skips
+   ProVe-lossless' mask pass; vLLM's draft model still re-reads the verified rows (its own KV).
+3. **Measure** (end of ``update_from_output``): the step's seconds, from the start of
+   ``schedule`` (model execution, sampling and drafting included), with its shape (requests,
+   target rows, drafter passes and rows) -> the online cost fit; each verification's drafted and
+   accepted counts -> the acceptance estimates.
+
+Nothing here changes what a lossless mode commits: vLLM's verification decides every token, and
+the mask KV a shorter verification leaves behind lies past the next verification's start
+(``proposers.SelfMaskProposer``), so the output is greedy AR's under any schedule
+(``tests/engine/test_engine_adaptive.py`` drives random schedules).
+
+Observability: the decisions and the cost estimates are logged every ``LOG_EVERY_S`` seconds, vLLM's
+spec-decode counters carry the mean verify depth (``num_draft_tokens / num_drafts``), and every
+``SchedulerOutput`` carries ``DepthController.summary()`` to the workers (attribute
+``SUMMARY_ATTR``, a few hundred bytes), where ``LLM.collective_rpc("prove_adaptive_summary")``
+reads the latest.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_prove.config import EngineMode
+from vllm_prove.core.adaptive import DepthController, DraftKind, StepShape
+from vllm_prove.engine.settings import engine_settings
+
+logger = init_logger(__name__)
+LOG_EVERY_S = 30.0
+SUMMARY_ATTR = "prove_adaptive_summary"  # SchedulerOutput attribute read by the ProVe workers
+
+
+class AdaptiveScheduler(Scheduler):
+    """vLLM's synchronous ``Scheduler`` deciding each step's speculation depths (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        settings = engine_settings(self.vllm_config)
+        if settings is None or settings.mode.gated or not settings.adaptive_on:
+            raise RuntimeError("AdaptiveScheduler serves ProVe modes 'lossless' and 'sd' with adaptive on; this engine "
+                               f"has {'no ProVe settings' if settings is None else settings.model_dump(mode='json')}")
+        kind = DraftKind.PARALLEL if settings.mode is EngineMode.LOSSLESS else DraftKind.SEQUENTIAL
+        self.depth = DepthController(self.num_spec_tokens, kind, policy=settings.adaptive_policy,
+                                     seed=self.vllm_config.model_config.seed or 0)
+        self._plan = None
+        self._step_start = 0.0
+        self._last_log = time.monotonic()
+
+    def schedule(self, *args, **kwargs):
+        self._step_start = time.perf_counter()
+        decoding = [r for r in self.running if r.num_output_tokens > 0]
+        self._plan = plan = self.depth.decide([r.request_id for r in decoding])
+        for request in decoding:
+            del request.spec_token_ids[plan.depths[request.request_id]:]
+        output = super().schedule(*args, **kwargs)
+        if output.total_num_scheduled_tokens:
+            output.num_spec_tokens_to_schedule = min(plan.draft_depth, self.num_spec_tokens)
+        setattr(output, SUMMARY_ATTR, self.depth.summary(refit=False))
+        return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, drafts in spec.items():
+            if sampled and req_id in index and sampled[index[req_id]]:
+                accepted = len(sampled[index[req_id]]) - 1
+                self.depth.observe_verification(req_id, len(drafts), min(accepted, len(drafts)))
+        total = scheduler_output.total_num_scheduled_tokens
+        if total and self._plan is not None:
+            requests = len(scheduler_output.num_scheduled_tokens)
+            num_spec = sum(len(d) for d in spec.values())
+            shape = StepShape.of(requests, num_spec, scheduler_output.num_spec_tokens_to_schedule, self.depth.kind,
+                                 extra_rows=total - requests - num_spec)
+            self.depth.observe_step(shape, time.perf_counter() - self._step_start)
+            self._maybe_log()
+        self._plan = None
+        return outputs
+
+    def _free_request(self, request, *args, **kwargs):
+        self.depth.finish(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            logger.info("ProVe adaptive depth: %s", self.depth.summary())

@@ -26,6 +26,8 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tau", type=float)
     p.add_argument("--gate", choices=["product", "verifier", "proposer"])
     p.add_argument("--k", type=int)
+    p.add_argument("--fixed-depth", action="store_true",
+                   help="--engine vllm, prove-lossless / sd: speculate the full depth every step (no adaptive depth)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
     p.add_argument("--prompts", required=True, help=".jsonl with a `prompt` field, or .txt one per line")
     p.add_argument("--max-tokens", type=int, required=True)
@@ -58,7 +60,7 @@ def _decode_config(args):
               "drafter": args.drafter, "gamma": args.gamma, "steps": args.steps, "lenience": args.lenience,
               "top_k": args.top_k, "k_min": args.k_min, "s_max": args.s_max, "eta_b": args.eta_b,
               "eta_c": args.eta_c, "signal": args.signal, "survival": args.survival,
-              "shadow": False if args.no_shadow else None}
+              "shadow": False if args.no_shadow else None, "adaptive": False if args.fixed_depth else None}
     defaults = {}
     if args.preset:
         from vllm_prove.config import load_preset
@@ -188,7 +190,8 @@ def cmd_bench(args) -> int:
         rows: list[str] = []
         with engine_output_to(log_path, enabled=not args.verbose) as console:
             run_engine_bench(prompts, max_tokens=args.max_tokens, in_flight=args.batch_sizes, runs=runs,
-                             bf16=args.bf16, out_dir=args.out, log=rows.append, progress=console)
+                             bf16=args.bf16, repeats=args.repeats, out_dir=args.out, log=rows.append,
+                             progress=console)
         print(HEADER)
         print("\n".join(rows))
         if not torch_cuda():
@@ -231,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--bf16", action="store_true", help="vllm: also AR and lossless in bf16 (divergence rate)")
         b.add_argument("--verbose", action="store_true", help="vllm: vLLM's logs on the console, not in OUT/engines.log")
         b.add_argument("--methods", nargs="+", help="vllm: only these rows (labels of the table; AR always runs)")
+        b.add_argument("--repeats", type=int, default=1,
+                       help="vllm: runs per concurrency on each engine; rows report the median ratio and its spread")
         b.add_argument("--block-sizes", type=int, nargs="+", default=[],
                        help="vllm: also lossless and ProVe theta=0.1 at these block sizes (the B sweep)")
         b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json (and bench.png)")

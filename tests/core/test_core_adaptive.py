@@ -199,3 +199,16 @@ def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     assert {k for p in (gated.decide(["a"]) for _ in range(50)) for k in p.depths.values()} == {0, 7}
     with pytest.raises(ValueError, match="policy"):
         DepthController(4, PAR, policy="greedy")
+
+
+def test_batched_records_equal_one_by_one_records():
+    one, many = AcceptanceTracker(max_depth=5), AcceptanceTracker(max_depth=5)
+    steps = [(["a", "b", "c"], [5, 3, 0], [2, 3, 0]), (["a", "c"], [4, 1], [4, 0])]
+    for ids, drafted, accepted in steps:
+        for r, n, a in zip(ids, drafted, accepted):
+            one.record(r, n, a)
+        many.record_many(ids, drafted, accepted)
+    torch.testing.assert_close(one.rates(["a", "b", "c"]), many.rates(["a", "b", "c"]))
+    torch.testing.assert_close(one.population(), many.population())
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        many.record_many(["a"], [2], [3])

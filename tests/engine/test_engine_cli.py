@@ -54,6 +54,7 @@ def test_generate_vllm_contract_and_lossless_equals_ar(prompt_file, tmp_path):
     assert ll["committed_per_cycle"] > 1.0 and ll["cycles"] < ar["cycles"]
     # vLLM's own counters agree: each lossless step verified one block per request
     assert ll["spec_decode"]["num_drafts"] > 0 and ll["spec_decode"]["committed_per_cycle"] > 1.0
+    assert ll["adaptive"] is True and ll["adaptive_depth"]["steps"] > 0  # the default: adaptive depth
 
 
 def test_generate_vllm_rejects_reference_only_flag(prompt_file, tmp_path, capsys):
@@ -64,11 +65,25 @@ def test_generate_vllm_rejects_reference_only_flag(prompt_file, tmp_path, capsys
 
 def test_engine_bench_rows_memory_and_plot(tmp_path):
     runs = [r for r in engine_bench.ENGINE_RUNS if r.label in ("ar", "parallel-draft", "prove theta=0.1",
-                                                                "prove-lossless")]
+                                                                "prove-lossless", "prove-lossless adaptive")]
+    lines = []
     report = engine_bench.run_engine_bench(heldout_prompts()[:6], max_tokens=16, in_flight=(1, 4), runs=runs,
-                                           out_dir=tmp_path, log=lambda line: None)
+                                           repeats=2, out_dir=tmp_path, log=lines.append)
     rows = {(r["label"], r["in_flight"]): r for r in report["rows"]}
     assert set(rows) == {(r.label, n) for r in runs for n in (1, 4)}
+    for n in (1, 4):
+        adaptive = rows["prove-lossless adaptive", n]
+        assert adaptive["same_as_ar"] == 1.0 and adaptive["adaptive"] is True and rows["prove-lossless", n]["adaptive"] is False
+        depth = adaptive["adaptive_depth"]  # this run's decisions only (not the engine's earlier ones)
+        assert depth["policy"] == "measured" and 0 < depth["steps"] <= adaptive["passes"]["engine_steps"]
+        assert 0.0 <= depth["mean_depth"] <= 8 and set(depth["cost"]) == {"c_0", "c_req", "c_row", "c_pass", "c_draft_row"}
+        assert "adaptive_depth" not in rows["prove-lossless", n]
+        # two repeats: the median of the per-repeat ratios, inside their spread
+        for row in rows.values():
+            assert row["repeats"] == 2 and len(row["tokens_per_s_repeats"]) == 2
+        lo, hi = adaptive["ratio_spread"]
+        assert lo <= adaptive["ratio_to_ar"] <= hi
+    assert any(line.startswith("prove-lossless adaptive") and "%" in line for line in lines)  # K=0 column
     for n in (1, 4):
         ar, lossless = rows["ar", n], rows["prove-lossless", n]
         verifier, parallel = rows["prove theta=0.1", n], rows["parallel-draft", n]

@@ -1,11 +1,13 @@
 """Lossless mode inside vLLM: token for token vLLM's plain greedy decoding, exact sampling.
 
-Three engines, one after the other. Two with the same settings (``ENGINE_KWARGS``: chunked
-prefill, prefix caching, KV pressure): vLLM without speculation (the oracle), then the same
-model with ``additional_config={"prove": {"mode": "lossless"}}``. A third lossless engine
-with room for 256 requests in flight draws the samples of the statistical test (at 16 in
-flight they would take a minute). Every scenario runs inside a module fixture while its
-engine is up; the tests read the recorded results.
+Five engines, one after the other. Four with the same settings (``ENGINE_KWARGS``: chunked
+prefill, prefix caching, KV pressure): vLLM without speculation (the oracle); the same model in
+lossless mode turned on through ``--speculative-config`` (the adaptive depth on, its default);
+lossless and vLLM's draft-model SD (mode ``sd``) under *random* depth schedules
+(``adaptive_policy="random"``: every step, a random draft depth and random verify depths), which
+must not change a token. A fifth lossless engine with room for 256 requests in flight draws the
+samples of the statistical test (at 16 in flight they would take a minute). Every scenario runs
+inside a module fixture while its engine is up; the tests read the recorded results.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine_support import (
     ENGINE_KWARGS,
     IN_FLIGHT,
     PER_REQUEST_METRICS,
+    VERIFIER,
     abort_mid_generation,
     build_cases,
     engine,
@@ -63,6 +66,7 @@ class Run:
     samples: list[tuple] = field(default_factory=list)
     acceptance_first_draft: dict[str, float] = field(default_factory=dict)  # fix on / off
     seeded: dict[str, list[list[int]]] = field(default_factory=dict)  # alone / together
+    adaptive: dict = field(default_factory=dict)  # DepthController.summary() at the end
 
 
 def _greedy_runs(llm, cases, run: Run) -> None:
@@ -124,12 +128,29 @@ def lossless(cases, plain) -> Run:  # `plain` first: one engine at a time
         run.abort = abort_mid_generation(llm, cases)  # the greedy runs then show it keeps serving
         _greedy_runs(llm, cases, run)
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
+        run.adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
         run.seeded = seeded_runs(llm, _seeded_cases(cases))
     return run
 
 
 @pytest.fixture(scope="module")
-def lossless_sampling(cases, lossless, zoo_models) -> Run:  # after `lossless`: one engine at a time
+def random_depths(cases, lossless) -> dict[str, Run]:  # after `lossless`: one engine at a time
+    """Lossless at 1 and 16 in flight, and vLLM's draft-model SD (the zoo verifier drafting
+    K = 5) at 16, both with random depth schedules; plus the schedules' depth histograms."""
+    runs = {"lossless": Run(), "sd": Run()}
+    with engine(**prove_engine_kwargs("lossless", adaptive_policy="random")) as llm:
+        _greedy_runs(llm, cases, runs["lossless"])
+        runs["lossless"].adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
+    sd = {"method": "draft_model", "model": VERIFIER, "num_speculative_tokens": 5}
+    with engine(speculative_config=sd, additional_config={"prove": {"mode": "sd", "adaptive_policy": "random"}},
+                **PER_REQUEST_METRICS) as llm:
+        runs["sd"].greedy[IN_FLIGHT] = token_ids(generate(llm, cases, IN_FLIGHT))
+        runs["sd"].adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def lossless_sampling(cases, random_depths, zoo_models) -> Run:  # after those: one engine at a time
     run = Run()
     prompt_ids = zoo_models.tokenizer(cases[1].prompt, add_special_tokens=False)["input_ids"]
     # No prefix caching: a cache hit can leave a new request one uncomputed token, which vLLM
@@ -137,7 +158,9 @@ def lossless_sampling(cases, lossless, zoo_models) -> Run:  # after `lossless`: 
     # falls back to one-hot drafts (gpu_model_runner.py:4734-4741): still exact, but it is not
     # the path under test. The held-out prompts only, for the same reason.
     heldout = [c for c in cases if len(c.prompt) > 8]
-    with engine(**prove_engine_kwargs("lossless", block_size=SAMPLING_BLOCK_SIZE), max_num_seqs=256,
+    # Fixed depth: under the adaptive depth 256 requests in flight would (rightly) run plain steps,
+    # and the test is about the speculative sampling path itself.
+    with engine(**prove_engine_kwargs("lossless", block_size=SAMPLING_BLOCK_SIZE, adaptive=False), max_num_seqs=256,
                 max_num_batched_tokens=4096, num_gpu_blocks_override=None, enable_prefix_caching=False) as llm:
         assert llm.collective_rpc("prove_set_cpu_sampling_fix", args=(False,)) == [True]
         run.acceptance_first_draft["vllm_kernel"] = _first_draft_acceptance(llm, heldout)
@@ -167,6 +190,27 @@ def test_lossless_equals_plain_greedy_token_for_token(plain, lossless, cases, zo
     assert len(cases) >= 50
     _assert_equal_or_near_tie(lossless.greedy[in_flight], plain.greedy[1], cases, zoo_models.proposer,
                               zoo_models.tokenizer)
+
+
+@pytest.mark.parametrize(("mode", "in_flight"), [("lossless", 1), ("lossless", IN_FLIGHT), ("sd", IN_FLIGHT)])
+def test_any_depth_schedule_keeps_the_output(plain, random_depths, cases, zoo_models, mode, in_flight):
+    """The adaptive depth only decides speed: random verify and draft depths every step, with
+    chunked prefill, prefix hits and preemption, give plain greedy decoding token for token."""
+    run = random_depths[mode]
+    depths, drafts = run.adaptive["depths"], run.adaptive["draft_depths"]
+    assert run.adaptive["policy"] == "random" and set(drafts) == set(range(6 if mode == "sd" else BLOCK_SIZE + 1))
+    assert depths.get(0, 0) > 0 and len(depths) >= 4  # plain steps and several depths were served
+    _assert_equal_or_near_tie(run.greedy[in_flight], plain.greedy[1], cases, zoo_models.proposer,
+                              zoo_models.tokenizer)
+
+
+def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless):
+    summary = lossless.adaptive
+    assert summary["policy"] == "measured" and summary["steps"] > 100
+    assert all(0 <= k <= BLOCK_SIZE for k in summary["depths"]) and sum(summary["depths"].values()) > 0
+    assert summary["cost"] is not None and summary["cost"]["c_0"] + summary["cost"]["c_row"] > 0
+    # acceptance of the first draft (the AR head's own token) is measured as ~1
+    assert summary["acceptance"][0] > 0.9
 
 
 def test_plain_greedy_is_batch_invariant_here(plain, cases, zoo_models):
@@ -199,7 +243,8 @@ def test_abort_mid_generation_frees_every_kv_block(lossless):
 
 def test_metrics_committed_per_cycle_and_per_position(lossless, cases):
     summary = lossless.summary
-    assert summary.num_drafts > 0 and summary.num_draft_tokens == 8 * summary.num_drafts
+    # the adaptive depth (on by default) verifies 1..8 drafts per request and step
+    assert summary.num_drafts > 0 and summary.num_drafts <= summary.num_draft_tokens <= 8 * summary.num_drafts
     # d_1 comes from the AR head on the real context: greedy verification accepts it, except
     # in vLLM's placeholder cycles (a new request with one uncomputed token is padded with -1
     # drafts, scheduler.py:1139-1153), which the one-token prompts and prefix hits produce.

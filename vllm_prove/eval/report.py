@@ -119,7 +119,7 @@ def _speed_fields(entry: dict) -> dict:
     histogram = {}
     if drafts:
         at_least = [drafts] + per_position
-        histogram = {c + 1: round((at_least[c] - (at_least[c + 1] if c + 1 < len(at_least) else 0)) / drafts, 4)
+        histogram = {str(c + 1): round((at_least[c] - (at_least[c + 1] if c + 1 < len(at_least) else 0)) / drafts, 4)
                      for c in range(len(at_least))}
     return {"tokens_per_s": round(entry["num_tokens"] / entry["seconds"], 2) if entry["seconds"] > 0 else None,
             "num_tokens": entry["num_tokens"], "seconds": round(entry["seconds"], 4),

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_prove.core.adaptive import (AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
-                                      StepShape, choose_depths, expected_committed)
+                                      StepShape, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
 
@@ -212,3 +212,18 @@ def test_batched_records_equal_one_by_one_records():
     torch.testing.assert_close(one.population(), many.population())
     with pytest.raises(ValueError, match="accepted <= drafted"):
         many.record_many(["a"], [2], [3])
+
+
+def test_summary_delta_is_a_runs_own_share_with_json_keys():
+    ctrl = DepthController(4, PAR, policy="random", seed=0)
+    for _ in range(5):
+        ctrl.decide(["a", "b"])
+    before = ctrl.summary()
+    for _ in range(7):
+        ctrl.decide(["a"])
+    delta = summary_delta(before, ctrl.summary())
+    assert delta["steps"] == 7 and sum(delta["depths"].values()) == 7 and sum(delta["draft_depths"].values()) == 7
+    assert all(isinstance(k, str) for k in delta["depths"])
+    total = sum(delta["depths"].values())
+    assert delta["mean_depth"] == pytest.approx(round(sum(int(k) * v for k, v in delta["depths"].items()) / total, 3))
+    assert delta["plain_share"] == pytest.approx(round(delta["depths"].get("0", 0) / total, 4))

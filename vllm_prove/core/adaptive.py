@@ -362,8 +362,9 @@ class DepthController:
         return {
             "policy": self.policy,
             "steps": self.steps,
-            "depths": {int(k): int(v) for k, v in sorted(self.depth_counts.items())},
-            "draft_depths": {int(k): int(v) for k, v in sorted(self.draft_depth_counts.items())},
+            # JSON object keys: the depth as a string
+            "depths": {str(k): int(v) for k, v in sorted(self.depth_counts.items())},
+            "draft_depths": {str(k): int(v) for k, v in sorted(self.draft_depth_counts.items())},
             "cost": None if cost is None else {name: getattr(cost, name) for name in COST_TERMS},
             "acceptance": [round(a, 4) for a in self.tracker.population().tolist()],
         }
@@ -376,9 +377,9 @@ def summary_delta(before: dict | None, after: dict) -> dict:
     out = {"policy": after["policy"], "steps": after["steps"] - (before or {}).get("steps", 0), "cost": after["cost"]}
     for key in ("depths", "draft_depths"):
         earlier = (before or {}).get(key, {})
-        hist = {int(k): v - earlier.get(k, earlier.get(str(k), 0)) for k, v in after[key].items()}
-        out[key] = {k: v for k, v in sorted(hist.items()) if v}
+        hist = {k: v - earlier.get(k, 0) for k, v in after[key].items()}
+        out[key] = {k: v for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])) if v}
     total = sum(out["depths"].values())
-    out["mean_depth"] = round(sum(k * v for k, v in out["depths"].items()) / total, 3) if total else None
-    out["plain_share"] = round(out["depths"].get(0, 0) / total, 4) if total else None
+    out["mean_depth"] = round(sum(int(k) * v for k, v in out["depths"].items()) / total, 3) if total else None
+    out["plain_share"] = round(out["depths"].get("0", 0) / total, 4) if total else None
     return out

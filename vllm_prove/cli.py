@@ -425,7 +425,7 @@ def cmd_eval(args) -> int:
     with engine_output_to(log_path, enabled=not args.verbose) as console:
         report = run_eval(cfg, log=lambda line: print(line, file=console, flush=True), progress=console)
     print((Path(cfg.out) / "report.md").read_text())
-    print(f"wrote {cfg.out}/report.json, report.md, frontier.png, committed_histogram.png")
+    print(f"wrote {cfg.out}/report.json, report.md, frontier.png, committed_histogram.png, position_acceptance.png")
     return 0 if report else 1
 
 

@@ -49,7 +49,8 @@ def one_replica(ray_cluster, tmp_path_factory):
 
 def test_ray_report_lossless_is_ar_exactly_with_speed_for_both(one_replica):
     out, report = one_replica
-    for name in ("report.json", "report.md", "run.json", "frontier.png", "committed_histogram.png"):
+    for name in ("report.json", "report.md", "run.json", "frontier.png", "committed_histogram.png",
+                 "position_acceptance.png"):
         assert (out / name).exists(), name
     assert json.loads((out / "report.json").read_text()) == report
     for task in TASKS:

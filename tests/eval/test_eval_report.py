@@ -65,7 +65,7 @@ def test_report_scores_cis_deltas_markdown_and_plots(tmp_path):
     report.write(rep, tmp_path / "out", runs_meta, {"tasks": ["arith"]})
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| prove:theta=0.05 | 0.750 | " in md and "-0.250" in md
-    for name in ("frontier.png", "committed_histogram.png"):
+    for name in ("frontier.png", "committed_histogram.png", "position_acceptance.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "out" / "concurrency.png").exists()  # one concurrency: no sweep plot
 

@@ -241,24 +241,30 @@ def plot(report: dict, out: Path) -> None:
     fig.savefig(out / "frontier.png", dpi=110)
     plt.close(fig)
     first = report[tasks[0]]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [label for label, e in first.items() if e["committed_histogram"]]
     width = 0.8 / max(1, len(labels))
+    fig, ax = plt.subplots(figsize=(6, 4))
     for i, label in enumerate(labels):
         hist = first[label]["committed_histogram"]
-        left.bar([int(c) + i * width for c in hist], list(hist.values()), width=width, label=label)
-        right.plot(range(1, len(first[label]["acceptance_per_position"]) + 1),
-                   first[label]["acceptance_per_position"], marker="o", label=label)
-    left.set(title=f"committed tokens per cycle ({tasks[0]})", xlabel="tokens committed", ylabel="share of cycles")
-    right.set(title=f"per-position acceptance ({tasks[0]})", xlabel="draft position", ylabel="share of cycles",
-              ylim=(0, 1.05))
-    for ax in (left, right):
-        if labels:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "committed_histogram.png", dpi=110)
-    plt.close(fig)
+        ax.bar([int(c) + i * width for c in hist], list(hist.values()), width=width, label=label)
+    ax.set(title=f"committed tokens per cycle ({tasks[0]})", xlabel="tokens committed", ylabel="share of cycles")
+    _save(fig, ax, out / "committed_histogram.png", labels, plt)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in labels:
+        acceptance = first[label]["acceptance_per_position"]
+        ax.plot(range(1, len(acceptance) + 1), acceptance, marker="o", label=label)
+    ax.set(title=f"per-position acceptance ({tasks[0]})", xlabel="draft position", ylabel="share of cycles",
+           ylim=(0, 1.05))
+    _save(fig, ax, out / "position_acceptance.png", labels, plt)
     _plot_concurrency(report, out, plt)
+
+
+def _save(fig, ax, path: Path, labels, plt) -> None:
+    if labels:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _plot_concurrency(report: dict, out: Path, plt) -> None:
@@ -275,7 +281,4 @@ def _plot_concurrency(report: dict, out: Path, plt) -> None:
         ax.plot([c for c, _ in points], [s for _, s in points], marker="o", label=name)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xscale="log", xlabel="requests in flight per engine", ylabel="tokens/s / AR", title=f"concurrency ({task})")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "concurrency.png", dpi=110)
-    plt.close(fig)
+    _save(fig, ax, out / "concurrency.png", list(curves), plt)

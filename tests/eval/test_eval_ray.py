@@ -107,3 +107,27 @@ def test_resume_in_process_regenerates_only_the_missing_shard(one_replica):
     for task in TASKS:
         for label in ("ar", "prove-lossless"):
             assert {k: again[task][label].get(k) for k in QUALITY} == {k: report[task][label].get(k) for k in QUALITY}
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_engine_stage_asks_for_cpu_bundles_or_gpus(ray_cluster, gpu):
+    """The engine stage's resources (no engine is started): CPU bundles on a CPU cluster, one
+    GPU per engine on a GPU cluster (`gpu` is what `_cluster_has_gpus` answers there)."""
+    from vllm_prove.config import DecodeConfig, Method
+    from vllm_prove.engine.generate import method_flags
+    from vllm_prove.eval import ray_eval
+
+    cfg = DecodeConfig(method=Method.PROVE_LOSSLESS)
+    processor = ray_eval.build_processor(cfg, replicas=2, concurrency=4, batch_size=8, gpu=gpu)
+    stage = processor.get_stage_by_name("vLLMEngineStage")
+    assert stage.fn.__name__ == "CountedEngineUDF"
+    kwargs = stage.map_batches_kwargs
+    assert (kwargs.get("num_gpus"), kwargs.get("num_cpus")) == ((1, None) if gpu else (None, 1))
+    assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (2, 2)
+    assert kwargs["compute"].max_tasks_in_flight_per_actor == 1
+    engine = stage.fn_constructor_kwargs["engine_kwargs"]
+    assert engine["additional_config"] == method_flags(cfg)["additional_config"]  # the resolver's settings
+    assert engine["additional_config"]["prove"]["mode"] == "lossless"
+    assert engine["max_num_seqs"] == 4 and engine["dtype"] == "float32"
+    env = stage.map_batches_kwargs["runtime_env"]["env_vars"]
+    assert ("VLLM_CPU_KVCACHE_SPACE" in env) is not gpu

@@ -131,15 +131,14 @@ def _cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def generate_ray(cfg: DecodeConfig, rows: list[dict], *, replicas: int, concurrency: int, batch_size: int,
-                 on_record: Callable[[dict], None]) -> None:
-    """Decode ``rows`` (dicts with task, index, prompt, sampling) on ``replicas`` Ray engine actors."""
-    import ray
-    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+def build_processor(cfg: DecodeConfig, *, replicas: int, concurrency: int, batch_size: int, gpu: bool):
+    """The method's ``ray.data.llm`` processor: ``replicas`` engine actors on CPU bundles, or on
+    GPUs (Ray's default bundles) when ``gpu``."""
+    from ray.data.llm import build_processor as ray_build_processor
+    from ray.data.llm import vLLMEngineProcessorConfig
 
     kwargs = engine_settings(cfg, concurrency)
     model = kwargs.pop("model")
-    gpu = _cluster_has_gpus()
     workers = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if not gpu:
@@ -149,10 +148,20 @@ def generate_ray(cfg: DecodeConfig, rows: list[dict], *, replicas: int, concurre
         max_tasks_in_flight_per_actor=1, placement_group_config=None if gpu else {"bundles": [{"CPU": 1}] * workers},
         chat_template_stage=False, tokenize_stage=False, detokenize_stage=False, log_engine_metrics=False,
         runtime_env={"env_vars": env})
-    processor = build_processor(config, preprocess=_preprocess, postprocess=_postprocess)
+    processor = ray_build_processor(config, preprocess=_preprocess, postprocess=_postprocess)
     # validate_assignment would re-run the stage's validator, which has already consumed the
     # placement group (it would fall back to GPU bundles): set the UDF class as plain data.
     object.__setattr__(processor.get_stage_by_name("vLLMEngineStage"), "fn", _counted_udf_class())
+    return processor
+
+
+def generate_ray(cfg: DecodeConfig, rows: list[dict], *, replicas: int, concurrency: int, batch_size: int,
+                 on_record: Callable[[dict], None]) -> None:
+    """Decode ``rows`` (dicts with task, index, prompt, sampling) on ``replicas`` Ray engine actors."""
+    import ray
+
+    processor = build_processor(cfg, replicas=replicas, concurrency=concurrency, batch_size=batch_size,
+                                gpu=_cluster_has_gpus())
     context = ray.data.DataContext.get_current()
     context.wait_for_min_actors_s = WAIT_FOR_ACTORS_S  # every replica is up before the first batch
     context.enable_progress_bars = False

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from eval_support import write_lm_eval_task
 
 pytestmark = pytest.mark.slow
 
@@ -25,26 +26,8 @@ def ar_task(tmp_path_factory, zoo_models, heldout_prompts):
     eos = zoo_models.tokenizer.eos_token_id
     assert all(len(r.token_ids) == MAX_TOKENS and eos not in r.token_ids for r in results)
     targets = [zoo_models.tokenizer.decode(r.token_ids) for r in results]
-    folder = tmp_path_factory.mktemp("lm-eval-task")
-    data = folder / "rows.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in zip(prompts, targets)))
-    (folder / "task.yaml").write_text(f"""task: prove_ar_rows
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
-generation_kwargs:
-  until: []
-  max_gen_toks: {MAX_TOKENS}
-  do_sample: false
-  temperature: 0.0
-metric_list:
-  - metric: exact_match
-""")
+    folder = write_lm_eval_task(tmp_path_factory.mktemp("lm-eval-task"), "prove_ar_rows",
+                                [{"prompt": p, "target": t} for p, t in zip(prompts, targets)], [], MAX_TOKENS)
     return folder, targets
 
 

@@ -8,6 +8,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from eval_support import write_lm_eval_task
+
 from vllm_prove.config import CONFIGS_DIR, Method, load_preset
 from vllm_prove.errors import ProveError
 from vllm_prove.eval import runner, tasks
@@ -68,22 +70,8 @@ def test_builtin_tasks():
 
 
 def test_lm_eval_task_from_a_local_json_file(tmp_path):
-    data = _write(tmp_path / "rows.jsonl", [json.dumps({"q": "2+2=", "a": "4"}), json.dumps({"q": "3+3=", "a": "6"})])
-    (tmp_path / "t.yaml").write_text(f"""task: prove_local_sum
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{q}}}}"
-doc_to_target: "{{{{a}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 5
-metric_list:
-  - metric: exact_match
-""")
+    write_lm_eval_task(tmp_path, "prove_local_sum", [{"prompt": "2+2=", "target": "4"},
+                                                     {"prompt": "3+3=", "target": "6"}], ["\n"], 5)
     task = tasks.load_task("lm-eval:prove_local_sum", lm_eval_include=str(tmp_path))
     assert [(i.prompt, i.max_tokens, i.stop) for i in task.items] == [("2+2=", 5, ("\n",)), ("3+3=", 5, ("\n",))]
     from vllm_prove.eval.report import _lm_eval_scores

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -49,6 +50,7 @@ def main() -> int:
         print(f"== {name}: vllm-prove {command}", flush=True)
         if args.list:
             continue
+        os.makedirs(f"{OUT}/ar-match", exist_ok=True)  # `generate` writes into an existing folder
         start = time.perf_counter()
         status = vllm_prove(shlex.split(command))
         print(f"== {name}: exit {status} after {time.perf_counter() - start:.0f} s", flush=True)

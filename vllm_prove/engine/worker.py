@@ -39,6 +39,10 @@ def install(worker) -> None:
         )
     if settings.mode is EngineMode.LOSSLESS:
         runner.drafter = SelfMaskProposer(worker.vllm_config, runner.device, runner)
+        if settings.adaptive_on:
+            from vllm_prove.engine.adaptive import plain_step_runner_class
+
+            runner.__class__ = plain_step_runner_class(type(runner))
     elif settings.mode.gated:
         if settings.mode is EngineMode.MARS:
             runner.drafter = SharedTargetProposer(worker.vllm_config, runner.device, runner)

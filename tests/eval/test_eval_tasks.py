@@ -78,6 +78,13 @@ def test_lm_eval_task_from_a_local_json_file(tmp_path):
 
     scored = _lm_eval_scores(task, ["4", "7"])  # lm-eval's own metric on our outputs
     assert scored["scores"] == [1.0, 0.0] and scored["lm_eval_metric"] == "exact_match"
+    by_answer = tasks.load_task("lm-eval:prove_local_sum@answer", lm_eval_include=str(tmp_path))
+    assert by_answer.name == "prove_local_sum@answer"
+    # A.5 normalization: "\boxed{4}" and "6.0" are right answers; lm-eval's exact_match says no
+    assert _lm_eval_scores(by_answer, ["\\boxed{4}", "6.0"])["scores"] == [1.0, 1.0]
+    assert _lm_eval_scores(task, ["\\boxed{4}", "6.0"])["scores"] == [0.0, 0.0]
+    with pytest.raises(ProveError, match="only scorer suffix"):
+        tasks.load_task("lm-eval:prove_local_sum@judge", lm_eval_include=str(tmp_path))
     with pytest.raises(ProveError, match="lm-eval does not know it"):
         tasks.load_task("lm-eval:prove_no_such_task", lm_eval_include=str(tmp_path))
 

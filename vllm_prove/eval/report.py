@@ -58,6 +58,9 @@ def score(task: Task, records: list[dict], ar_records: list[dict] | None, loglik
 def _lm_eval_scores(task: Task, texts: list[str]) -> dict:
     """lm-eval's own filters and metrics (its evaluator's post-processing, one response per doc)."""
     lm_task = task.lm_task
+    if task.answer_match:  # the SDD paper's normalized answer match against lm-eval's target
+        return {"scores": [float(scoring.answer_correct(text, str(lm_task.doc_to_target(inst.doc))))
+                           for inst, text in zip(lm_task.instances, texts)], "lm_eval_metric": "answer_match"}
     for inst, text in zip(lm_task.instances, texts):
         inst.resps = [text]
     lm_task.apply_filters()

@@ -13,7 +13,9 @@
 - ``lm-eval:NAME``: any ``generate_until`` task of lm-eval (GSM8K, MATH-500, MBPP+, BBH, IFEval,
   GPQA, MMLU-Pro, ... when the data is there; a YAML with ``dataset_path: json`` works offline):
   lm-eval builds the prompts, stop sequences and lengths; its filters and metrics score the
-  outputs. ``lm_eval_include`` adds a folder of task YAMLs.
+  outputs. ``lm_eval_include`` adds a folder of task YAMLs. ``lm-eval:NAME@answer`` scores the
+  same outputs by the SDD paper's normalized answer match against lm-eval's target instead
+  (appendix A.5: how the paper scored MATH-500).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Task:
     items: list[Item]
     metric: str  # the headline key of the report: "pass@1", "agreement" or "accuracy"
     lm_task: object = None  # kind "lm-eval": the lm-eval Task whose instances are `items`
+    answer_match: bool = False  # kind "lm-eval": score by scoring.answer_correct, not lm-eval's metric
 
 
 def parse_task_names(spec: str | list[str]) -> list[str]:
@@ -127,6 +130,10 @@ def _lm_eval(name: str, limit: int | None, include: str | None) -> Task:
     """An lm-eval ``generate_until`` task; its instances (in lm-eval's order) become the items."""
     from lm_eval.tasks import TaskManager
 
+    name, _, scorer = name.partition("@")
+    if scorer not in ("", "answer"):
+        raise ProveError(f"--tasks lm-eval:{name}@{scorer}: the only scorer suffix is @answer")
+
     try:
         leaves = list(TaskManager(include_path=include).load([name])["tasks"].values())
     except (KeyError, ValueError) as err:
@@ -144,4 +151,5 @@ def _lm_eval(name: str, limit: int | None, include: str | None) -> Task:
         until = gen_kwargs.get("until", [])
         items.append(Item(f"{name}/{inst.doc_id}", context, int(gen_kwargs.get("max_gen_toks", ANSWER_MAX_TOKENS)),
                           tuple([until] if isinstance(until, str) else until), {"doc_id": inst.doc_id}))
-    return Task(name, "lm-eval", items, "accuracy", lm_task=lm_task)
+    return Task(name + ("@answer" if scorer else ""), "lm-eval", items, "accuracy", lm_task=lm_task,
+                answer_match=bool(scorer))

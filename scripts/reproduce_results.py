@@ -36,7 +36,7 @@ STEPS = {
     "ar-match-prove": f"generate --engine reference --method prove --track-ar-match --prompts {HELDOUT} --max-tokens 48 "
                       f"--out {OUT}/ar-match/prove.jsonl --summary {OUT}/ar-match/prove.json",
     # the SDD paper: frontier of the skipping signals, K_min sweep, permutation diagnostic
-    "sdd": f"sweep sdd --quick --out {OUT}/sweep-sdd",
+    "sdd": f"sweep sdd --batch-size 1 --quick --out {OUT}/sweep-sdd",  # one request in flight, as the paper
 }
 
 

@@ -103,3 +103,14 @@ def test_attributed_seconds_split_the_busy_time_among_requests_in_flight():
     shares = scoring.attributed_seconds(intervals)
     assert sum(shares) == pytest.approx(scoring.busy_seconds(intervals))
     assert shares[3] == pytest.approx(1.0)
+
+
+def test_scoring_is_engine_free():
+    """The arithmetic imports with vLLM, Ray and lm-eval absent (house rule 1)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfor name in ('vllm', 'ray', 'lm_eval', 'torch'):\n    sys.modules[name] = None\n"
+            "import vllm_prove.eval.scoring")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -136,3 +136,22 @@ def test_shards_resume_only_what_is_missing(tmp_path):
     assert [r["index"] for r in store.load("ar", task)] == [0, 1, 2]
     task.items = task.items[:1]  # a smaller --limit reads only its items
     assert [r["index"] for r in store.load("ar", task)] == [0]
+
+
+def test_cli_errors_are_one_line_naming_file_line_or_field(tmp_path):
+    import subprocess
+    import sys
+
+    bad = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "ok", "answer": "1"}), "{oops"])
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "vllm_prove.cli", "eval", *args, "--out", str(tmp_path / "o")],
+                              capture_output=True, text=True, timeout=120)
+
+    done = run("--tasks", bad, "--methods", "ar")
+    assert done.returncode == 2 and f"{bad}:2: not valid JSON" in done.stderr
+    done = run("--tasks", "heldout", "--methods", "ar,prove:theta=2")
+    assert done.returncode == 2 and "theta" in done.stderr and "less than or equal to 1" in done.stderr
+    done = run("--tasks", "heldout", "--methods", "ar", "--replicas", "0", "--ray")
+    assert done.returncode == 2 and "replicas" in done.stderr
+    assert not (tmp_path / "o" / "shards").exists()  # nothing started

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -64,7 +65,8 @@ def test_gated_requests_take_a_full_window_or_none():
 
 
 def _rate(e, combo, d, cost, kind):
-    return sum(float(e[r, k]) for r, k in enumerate(combo)) / cost(StepShape.of(e.shape[0], sum(combo), d, kind))
+    shape = StepShape.of(e.shape[0], sum(combo), d, kind, spec_requests=sum(1 for k in combo if k))
+    return sum(float(e[r, k]) for r, k in enumerate(combo)) / cost(shape)
 
 
 def _brute_force(e, cost, allowed, kind):
@@ -78,7 +80,7 @@ def _brute_force(e, cost, allowed, kind):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 4), st.lists(st.floats(0.0, 1.0), min_size=5, max_size=5),
+@given(st.integers(1, 3), st.integers(1, 4), st.lists(st.floats(0.0, 1.0), min_size=7, max_size=7),
        st.sampled_from(list(DraftKind)), st.integers(0, 2**31 - 1))
 def test_choice_is_the_exact_optimum(batch, depth, coefs, kind, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -94,20 +96,27 @@ def test_choice_is_the_exact_optimum(batch, depth, coefs, kind, seed):
 def _random_shape(gen, kind):
     req = int(torch.randint(1, 17, (1,), generator=gen))
     d = int(torch.randint(0, 9, (1,), generator=gen))
-    return StepShape.of(req, int(torch.randint(0, d * req + 1, (1,), generator=gen)), d, kind)
+    spec_req = int(torch.randint(0, req + 1, (1,), generator=gen)) if d else 0
+    return StepShape.of(req, int(torch.randint(0, d * spec_req + 1, (1,), generator=gen)) if spec_req else 0, d, kind,
+                        extra_rows=int(torch.randint(0, 50, (1,), generator=gen)), spec_requests=spec_req)
 
 
 @pytest.mark.parametrize("kind", list(DraftKind))
 def test_cost_model_recovers_a_linear_cost_and_follows_a_change(kind):
     model = StepCostModel(forget=0.9)
     gen = torch.Generator().manual_seed(0)
-    truth = StepCost(0.003, 0.0002, 0.0005, 0.002, 0.0001)
+    truth = StepCost(0.003, 0.0002, 0.0005, 0.002, 0.0001, 0.0003, 0.00015 if kind is PAR else 0.0)
     for _ in range(60):
         shape = _random_shape(gen, kind)
         model.update(shape, truth(shape))
     fit = model.fit()
-    torch.testing.assert_close(fit.coefficients(), truth.coefficients(), rtol=1e-4, atol=1e-9)
-    busier = StepCost(0.003, 0.0002, 0.002, 0.002, 0.0001)  # the machine got busier: rows now cost 4x
+    if kind is PAR:
+        np.testing.assert_allclose(fit.coefficients(), truth.coefficients(), rtol=1e-4, atol=1e-9)
+    else:  # a sequential drafter reads every request: c_draft_req is c_req's twin, only their sum is known
+        np.testing.assert_allclose(fit.coefficients()[[0, 2, 3, 4, 5]], truth.coefficients()[[0, 2, 3, 4, 5]],
+                                   rtol=1e-4, atol=1e-9)
+        assert fit.c_req + fit.c_draft_req == pytest.approx(truth.c_req + truth.c_draft_req, rel=1e-4)
+    busier = StepCost(0.003, 0.0002, 0.002, 0.002, 0.0001, 0.0003, 0.00015 if kind is PAR else 0.0)  # rows cost 4x
     for _ in range(200):
         shape = _random_shape(gen, kind)
         model.update(shape, busier(shape))
@@ -118,11 +127,11 @@ def test_cost_model_keeps_coefficients_non_negative_and_rejects_bad_steps():
     model = StepCostModel()
     for rows, req in ((1, 1), (4, 1), (8, 2), (16, 4)):
         # a row that "saves" time is noise, not a price
-        model.update(StepShape(req, rows, 1, rows), 0.01 - 0.0001 * rows)
+        model.update(StepShape(req, rows, 0, 1, rows, req), 0.01 - 0.0001 * rows)
     fit = model.fit()
     assert min(fit.coefficients().tolist()) >= 0.0
     with pytest.raises(ValueError, match="rows >= requests"):
-        model.update(StepShape(2, 1, 0, 0), 0.1)
+        model.update(StepShape(2, 1, 0, 0, 0, 0), 0.1)
     with pytest.raises(ValueError, match="no step measured"):
         StepCostModel().fit()
 
@@ -154,11 +163,11 @@ def test_acceptance_tracker_counts_reached_positions_and_shrinks_to_the_populati
 
 
 def test_step_shapes_of_both_drafters():
-    assert StepShape.of(4, 10, 0, PAR) == StepShape(4, 14, 0, 0)
-    assert StepShape.of(4, 10, 8, PAR) == StepShape(4, 14, 1, 32)
+    assert StepShape.of(4, 10, 0, PAR, spec_requests=3) == StepShape(4, 14, 3, 0, 0, 0)
+    assert StepShape.of(4, 10, 8, PAR, spec_requests=3) == StepShape(4, 14, 3, 1, 32, 4)
     # vLLM's draft model re-reads the verified rows even when it drafts nothing
-    assert StepShape.of(4, 10, 0, SEQ) == StepShape(4, 14, 1, 14)
-    assert StepShape.of(4, 10, 5, SEQ) == StepShape(4, 14, 5, 14 + 16)
+    assert StepShape.of(4, 10, 0, SEQ, spec_requests=2) == StepShape(4, 14, 2, 1, 14, 4)
+    assert StepShape.of(4, 10, 5, SEQ, spec_requests=2) == StepShape(4, 14, 2, 5, 14 + 16, 4)
     assert StepShape.of(1, 0, 2, PAR, extra_rows=30).rows == 31
 
 
@@ -173,8 +182,9 @@ def _feed(ctrl, truth, accept, steps, requests):
         for r, k in verify.items():
             if k:
                 ctrl.observe_verification(r, k, next((j for j in range(k) if rng.random() >= accept), k))
-        ctrl.observe_step(StepShape.of(len(requests), sum(verify.values()), plan.draft_depth, ctrl.kind),
-                          truth(StepShape.of(len(requests), sum(verify.values()), plan.draft_depth, ctrl.kind)))
+        shape = StepShape.of(len(requests), sum(verify.values()), plan.draft_depth, ctrl.kind,
+                             spec_requests=sum(1 for k in verify.values() if k))
+        ctrl.observe_step(shape, truth(shape))
         held = {r: plan.draft_depth for r in requests}
     return ctrl
 
@@ -192,6 +202,11 @@ def test_controller_probes_then_follows_the_load():
     assert plan.draft_depth == 0 and set(plan.depths.values()) == {0} and not plan.explored
     s = ctrl.summary()
     assert s["steps"] == 82 and sum(s["draft_depths"].values()) == 82 and s["cost"]["c_row"] > 0.001
+    # a multi-token query that costs per request turns speculation off even where rows are cheap
+    spec_dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.00005, c_pass=0.004, c_draft_row=0.00005, c_spec_req=0.002,
+                         c_draft_req=0.001)
+    ctrl = _feed(DepthController(8, PAR), spec_dear, 0.8, 81, many)
+    assert ctrl.decide(many).draft_depth == 0
 
 
 def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():

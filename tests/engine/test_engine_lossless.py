@@ -233,6 +233,7 @@ def test_scenarios_exercise_the_hard_paths(plain, lossless, cases, zoo_models):
 def test_one_copy_of_weights_and_kv(lossless):
     probe = lossless.probe
     assert probe["drafter"] == "SelfMaskProposer" and probe["drafter_shares_model"]
+    assert probe["runner"].startswith("ProveAdaptive")  # plain steps skip the drafter plumbing
     assert all(name.startswith("model.layers.") for name in probe["kv_layers"])  # no draft_model.* cache
 
 

@@ -6,9 +6,11 @@ verifies `K_r` drafts (its last token plus `K_r` rows of the target), and the dr
 `D` tokens per request for the next step. The batch commits `sum_r E_r(K_r)` tokens in
 
     E_r(K)  = 1 + sum_{j=1..K} prod_{i=1..j} a_{r,i}      expected committed tokens at depth K
-    t       = c_0 + c_req R + c_row rows + c_pass passes + c_draft_row draft_rows     (StepCost)
+    t       = c_0 + c_req R + c_row rows + c_spec_req S
+              + c_pass passes + c_draft_row draft_rows + c_draft_req draft_requests      (StepCost)
 
-seconds, where `rows = R + sum K_r`, and the drafter's passes and rows follow from `D` and its
+seconds, where `rows = R + sum K_r`, `S` = requests with `K_r > 0` (a multi-token query costs
+more per request than a one-token decode), and the drafter's passes and rows follow from `D` and its
 kind (`StepShape.of`: one pass of `R * D` rows for a parallel drafter, `D` passes for vLLM's
 sequential draft model). `a_{r,i}` is request r's probability of accepting draft position i
 given that every earlier one was accepted (AcceptanceTracker: per-request counts with a
@@ -16,7 +18,8 @@ population prior); the cost terms are fitted online from the engine's own step t
 (StepCostModel). `choose_depths` maximizes the batch's tokens per second exactly: for each `D`
 the rate is a separable sum over a cost linear in `sum K_r`, which Dinkelbach's method solves
 (for a guess `lam` of the best rate each request maximizes `E_r(K) - lam * a * K`; the rate rises
-strictly until it stops changing), and the best `D` wins.
+strictly until it stops changing; each request's own cost `c K + c_spec_req [K > 0]` is
+separable too), and the best `D` wins.
 
 Depth 0 is a plain decode step for that request. `allowed` restricts a request's choices (a gated
 ProVe mode speculates a full window or nothing). Nothing here touches decoding results: lossless
@@ -62,39 +65,50 @@ class DraftKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class StepShape:
-    """What an engine step computes: the target's query rows and the drafter's passes and rows."""
+    """What an engine step computes: the target's query rows and the drafter's passes and rows,
+    and how many requests read more than one query row (a multi-token query costs more per
+    request than a one-token decode in some attention backends, vLLM's CPU one among them)."""
 
     requests: int
     rows: int  # target query rows: each request's last token plus its K_r drafts (plus prefill chunks)
+    spec_requests: int  # requests verifying at least one draft
     draft_passes: int
     draft_rows: int
+    draft_requests: int  # requests the drafter reads several rows of (its multi-token queries)
 
     @staticmethod
-    def of(requests: int, spec_tokens: int, draft_depth: int, kind: DraftKind, extra_rows: int = 0) -> "StepShape":
-        """The step that verifies ``spec_tokens`` drafts of ``requests`` requests and drafts
-        ``draft_depth`` tokens for each (``extra_rows``: prefill tokens in the same step)."""
+    def of(requests: int, spec_tokens: int, draft_depth: int, kind: DraftKind, extra_rows: int = 0,
+           spec_requests: int = 0) -> "StepShape":
+        """The step that verifies ``spec_tokens`` drafts of ``spec_requests`` of its ``requests``
+        requests and drafts ``draft_depth`` tokens for each (``extra_rows``: prefill tokens)."""
         rows = requests + spec_tokens + extra_rows
         if kind is DraftKind.PARALLEL:
-            return StepShape(requests, rows, int(draft_depth > 0), requests * draft_depth)
+            d = int(draft_depth > 0)
+            return StepShape(requests, rows, spec_requests, d, requests * draft_depth, requests * d)
         # vLLM's draft model re-reads every verified row (keeping its own KV in step) even at D = 0
-        return StepShape(requests, rows, max(draft_depth, 1), rows + requests * max(draft_depth - 1, 0))
+        return StepShape(requests, rows, spec_requests, max(draft_depth, 1),
+                         rows + requests * max(draft_depth - 1, 0), requests)
 
-    def features(self) -> np.ndarray:  # [5] float64
-        return np.array([1.0, self.requests, self.rows, self.draft_passes, self.draft_rows])
+    def features(self) -> np.ndarray:  # [7] float64, in COST_TERMS order
+        return np.array([1.0, self.requests, self.rows, self.draft_passes, self.draft_rows, self.spec_requests,
+                         self.draft_requests], dtype=np.float64)
 
 
-COST_TERMS = ("c_0", "c_req", "c_row", "c_pass", "c_draft_row")
+COST_TERMS = ("c_0", "c_req", "c_row", "c_pass", "c_draft_row", "c_spec_req", "c_draft_req")
 
 
 @dataclass
 class StepCost:
-    """``t = c_0 + c_req * requests + c_row * rows + c_pass * draft_passes + c_draft_row * draft_rows``."""
+    """``t = c_0 + c_req requests + c_row rows + c_pass draft_passes + c_draft_row draft_rows
+    + c_spec_req spec_requests + c_draft_req draft_requests``."""
 
     c_0: float
     c_req: float
     c_row: float
     c_pass: float = 0.0
     c_draft_row: float = 0.0
+    c_spec_req: float = 0.0
+    c_draft_req: float = 0.0
 
     def __call__(self, shape: StepShape) -> float:
         return float(self.coefficients() @ shape.features())
@@ -128,18 +142,21 @@ def choose_depths(
     # cost of a step with draft depth D and no verified draft, and of each verified draft
     d = np.arange(width, dtype=np.float64)
     if kind is DraftKind.PARALLEL:  # StepShape.of(batch, 0, d, kind), for every d at once
-        passes, draft_rows = (d > 0).astype(np.float64), batch * d
+        passes, draft_rows, draft_reqs = (d > 0).astype(np.float64), batch * d, batch * (d > 0)
     else:
-        passes, draft_rows = np.maximum(d, 1.0), batch + batch * np.maximum(d - 1.0, 0.0)
-    fixed = cost.c_0 + cost.c_req * batch + cost.c_row * batch + cost.c_pass * passes + cost.c_draft_row * draft_rows
+        passes, draft_rows, draft_reqs = np.maximum(d, 1.0), batch + batch * np.maximum(d - 1.0, 0.0), batch + 0 * d
+    fixed = (cost.c_0 + cost.c_req * batch + cost.c_row * batch + cost.c_pass * passes + cost.c_draft_row * draft_rows
+             + cost.c_draft_req * draft_reqs)
     per_row = max(cost.c_row + (cost.c_draft_row if kind is DraftKind.SEQUENTIAL else 0.0), 0.0)
+    # a request's own cost of depth K: its rows, plus the multi-token query once it speculates
+    own = per_row * depth + max(cost.c_spec_req, 0.0) * (depth > 0)  # [K]
     choice = np.zeros((width, batch), dtype=np.int64)  # [D, batch]
     rate = batch / fixed  # [D]: everyone at depth 0 (E_r(0) = 1)
     rows = np.arange(batch)
     for _ in range(MAX_DINKELBACH_ITERS):
-        score = np.where(ok, E[None] - (rate * per_row)[:, None, None] * depth[None, None, :], -np.inf)
+        score = np.where(ok, E[None] - rate[:, None, None] * own[None, None, :], -np.inf)
         new = score.argmax(axis=-1)  # [D, batch]: the first (shortest) of the maxima
-        new_rate = E[rows[None, :], new].sum(axis=1) / (fixed + per_row * new.sum(axis=1))
+        new_rate = E[rows[None, :], new].sum(axis=1) / (fixed + own[new].sum(axis=1))
         improved = new_rate > rate + 1e-12
         if not improved.any():
             break
@@ -159,12 +176,13 @@ class StepCostModel:
     exploration steps keep the terms it decides with identifiable."""
 
     forget: float = 0.98  # weight of the past per new step: an effective memory of ~50 steps
-    _xtx: np.ndarray = field(default_factory=lambda: np.zeros((5, 5)))
-    _xty: np.ndarray = field(default_factory=lambda: np.zeros(5))
+    _xtx: np.ndarray = field(default_factory=lambda: np.zeros((len(COST_TERMS), len(COST_TERMS))))
+    _xty: np.ndarray = field(default_factory=lambda: np.zeros(len(COST_TERMS)))
     count: int = 0
 
     def update(self, shape: StepShape, seconds: float) -> None:
-        if shape.rows < shape.requests or shape.requests < 0 or min(shape.draft_passes, shape.draft_rows) < 0 \
+        if shape.rows < shape.requests or shape.requests < 0 or not 0 <= shape.spec_requests <= shape.requests \
+                or min(shape.draft_passes, shape.draft_rows, shape.draft_requests) < 0 \
                 or not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"a step needs rows >= requests >= 0, non-negative draft work and finite "
                              f"seconds >= 0, got {shape} in {seconds} s")

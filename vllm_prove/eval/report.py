@@ -210,7 +210,8 @@ def markdown(report: dict) -> str:
             delta = f"{_fmt(e.get('delta_vs_ar'), '+.3f')} {_fmt(e.get('delta_ci95'), '+.3f')}" \
                 if "delta_vs_ar" in e else "-"
             lines.append(f"| {label} | {_fmt(e.get(metric))} | {_fmt(e.get('ci95'))} | {delta} | "
-                         f"{_fmt(e['tokens_per_s'], '.1f')} | {_fmt(e.get('speedup_vs_ar'), '.2f')} | {e['num_tokens']} | "
+                         f"{_fmt(e['tokens_per_s'], '.1f')} | {_fmt(e.get('speedup_vs_ar'), '.2f')} | "
+                         f"{e['num_tokens']} | "
                          f"{_fmt(e['seconds'], '.2f')} | {_fmt(e['committed_per_cycle'], '.2f')} | {e['engines']} |")
         extras = {label: {k: e[k] for k in ("loglik", "exact_ar", "timed_out", "lm_eval_metrics") if k in e}
                   for label, e in methods.items()}

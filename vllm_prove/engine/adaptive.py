@@ -121,14 +121,27 @@ class AdaptiveScheduler(Scheduler):
 
 
 class PlainStepRunnerMixin:
-    """Mixed into ProVe-lossless' model runner under the adaptive depth: a step whose draft depth
-    is 0 (``num_spec_tokens_to_schedule``) skips vLLM's drafter plumbing entirely (next-token and
-    padded-input preparation, ``gpu_model_runner.py:4748``), not only the mask pass, so a plain
-    step costs what a plain engine's step does. (vLLM's draft model cannot skip it: its own KV
-    must read every verified token.)"""
+    """Mixed into the model runner under the adaptive depth (lossless, sd), so that a plain step costs
+    what a plain engine's step does: a step whose draft depth is 0 (``num_spec_tokens_to_schedule``)
+    skips ProVe-lossless' drafter plumbing entirely (next-token and padded-input preparation,
+    ``gpu_model_runner.py:4748``), not only the mask pass (vLLM's draft model cannot: its own KV
+    must read every verified token), and an all-greedy step that verifies no draft is sampled by
+    vLLM's plain sampler."""
+
+    def _sample(self, logits, spec_decode_metadata):
+        # A speculative engine builds spec-decode metadata for every step (gpu_model_runner.py:2184)
+        # and samples through the rejection sampler even when no request has a draft; for an
+        # all-greedy step without drafts vLLM's plain sampler gives the same argmax, cheaper.
+        # (Steps that sample keep the rejection sampler: seeded generators then advance as always.)
+        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
+                and self.input_batch.sampling_metadata.all_greedy):
+            spec_decode_metadata = None
+        return super()._sample(logits, spec_decode_metadata)
+
+    _prove_skip_drafter = True  # False for vLLM's draft model (set by worker.install)
 
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        if scheduler_output.num_spec_tokens_to_schedule == 0:
+        if self._prove_skip_drafter and scheduler_output.num_spec_tokens_to_schedule == 0:
             self._draft_probs = self._draft_prob_req_ids = None
             return torch.zeros((len(self.input_batch.req_ids), 0), dtype=torch.int32, device=self.device)
         return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)

@@ -39,11 +39,12 @@ def install(worker) -> None:
         )
     if settings.mode is EngineMode.LOSSLESS:
         runner.drafter = SelfMaskProposer(worker.vllm_config, runner.device, runner)
-        if settings.adaptive_on:
-            from vllm_prove.engine.adaptive import plain_step_runner_class
+    if settings.adaptive_on:  # lossless, sd: plain steps as cheap as a plain engine's
+        from vllm_prove.engine.adaptive import plain_step_runner_class
 
-            runner.__class__ = plain_step_runner_class(type(runner))
-    elif settings.mode.gated:
+        runner.__class__ = plain_step_runner_class(type(runner))
+        runner._prove_skip_drafter = settings.mode is EngineMode.LOSSLESS
+    if settings.mode.gated:
         if settings.mode is EngineMode.MARS:
             runner.drafter = SharedTargetProposer(worker.vllm_config, runner.device, runner)
         # verifier mode keeps vLLM's DraftModelProposer: it loads the verifier and its KV.

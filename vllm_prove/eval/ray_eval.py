@@ -129,7 +129,9 @@ def connect(address: str | None, replicas: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, replicas + 4), include_dashboard=False, log_to_driver=False)
+        # "local": a new cluster of our own, never one that `ray start` left on this machine
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, replicas + 4), include_dashboard=False,
+                 log_to_driver=False)
 
 
 def _cluster_has_gpus() -> bool:

@@ -25,7 +25,7 @@ def prompt_files(tmp_path, heldout_prompts):
                                     "sdd-skip"])
 def test_generate_writes_the_contract(tmp_path, prompt_files, method):
     jsonl, _ = prompt_files
-    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    out, summary = tmp_path / "runs" / "out.jsonl", tmp_path / "summaries" / "summary.json"  # folders not there yet
     rc = main(["generate", "--engine", "reference", "--method", method, "--prompts", str(jsonl),
                "--max-tokens", "6", "--batch-size", "2", "--out", str(out), "--summary", str(summary)])
     assert rc == 0

@@ -212,7 +212,10 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
         cfg = run.config(max_tokens=max_tokens)
         t_start = time.perf_counter()
         with engine_gen.engine(engine_gen.engine_kwargs(cfg, run.flags(cfg), max_num_seqs=max(in_flight))) as llm:
-            probe, _ = engine_gen.drive(llm, [PROBE[0]], SamplingParams(temperature=0.0, max_tokens=PROBE[1]), 1)
+            # the probe fills the engine: the first full batch then pays no one-off costs
+            fill = max(in_flight)
+            probe, _ = engine_gen.drive(llm, [PROBE[0]] * fill, SamplingParams(temperature=0.0, max_tokens=PROBE[1]),
+                                        fill)
             if not probe[0].token_ids:
                 raise RuntimeError(f"{run.label}: the speed probe produced no tokens")
             run_rows = []

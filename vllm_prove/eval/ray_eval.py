@@ -53,11 +53,9 @@ def make_record(row: dict, *, token_ids, text: str, prompt_token_ids, start: flo
 
 def _spec_snapshot():
     """Cumulative spec-decode counters of the vLLM engine(s) of this process."""
-    from vllm.v1.metrics.reader import get_metrics_snapshot
-
     from vllm_prove.engine import metrics
 
-    return metrics.from_engine_metrics(get_metrics_snapshot())
+    return metrics.process_snapshot()
 
 
 # -- Ray ---------------------------------------------------------------------------------------

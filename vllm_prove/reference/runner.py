@@ -225,6 +225,9 @@ def block_diagnostics(results: list[RequestResult], block_size: int, lossy: bool
 
 def write_outputs(results: list[RequestResult], summary: dict, out: str | Path, summary_path: str | Path | None):
     import json
+    for path in (out, summary_path):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("".join(json.dumps(r.to_json()) + "\n" for r in results))
     if summary_path:
         Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")

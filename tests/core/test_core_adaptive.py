@@ -251,3 +251,17 @@ def test_summary_delta_is_a_runs_own_share_with_json_keys():
     total = sum(delta["depths"].values())
     assert delta["mean_depth"] == pytest.approx(round(sum(int(k) * v for k, v in delta["depths"].items()) / total, 3))
     assert delta["plain_share"] == pytest.approx(round(delta["depths"].get("0", 0) / total, 4))
+
+
+def test_pinned_requests_keep_the_full_depth_under_any_policy():
+    dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.002, c_pass=0.004, c_draft_row=0.002)
+    many = [f"r{i}" for i in range(32)]
+    ctrl = _feed(DepthController(8, PAR), dear, 0.8, 81, many)
+    assert ctrl.decide(many).draft_depth == 0  # the load says plain decoding ...
+    plan = ctrl.decide(many, pinned=frozenset({"r3", "gone"}))
+    assert plan.draft_depth == 8 and plan.depths["r3"] == 8  # ... but a seeded sampler keeps its depth
+    assert all(k == 0 for r, k in plan.depths.items() if r != "r3") and "gone" not in plan.depths
+    # a pinned request still in its prefill: no decoding request, the batch drafts the full depth
+    assert ctrl.decide([], pinned=frozenset({"new"})).draft_depth == 8
+    rnd = DepthController(4, PAR, policy="random", seed=0)
+    assert all(rnd.decide(["a", "b"], pinned=frozenset({"a"})).depths["a"] == 4 for _ in range(50))

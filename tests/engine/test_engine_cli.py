@@ -9,6 +9,7 @@ from engine_support import heldout_prompts
 
 from vllm_prove import cli
 from vllm_prove.config import Method
+from vllm_prove.core.adaptive import COST_TERMS
 from vllm_prove.eval import engine_bench
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def test_engine_bench_rows_memory_and_plot(tmp_path):
         assert adaptive["same_as_ar"] == 1.0 and adaptive["adaptive"] is True and rows["prove-lossless", n]["adaptive"] is False
         depth = adaptive["adaptive_depth"]  # this run's decisions only (not the engine's earlier ones)
         assert depth["policy"] == "measured" and 0 < depth["steps"] <= adaptive["passes"]["engine_steps"]
-        assert 0.0 <= depth["mean_depth"] <= 8 and set(depth["cost"]) == {"c_0", "c_req", "c_row", "c_pass", "c_draft_row"}
+        assert 0.0 <= depth["mean_depth"] <= 8 and set(depth["cost"]) == set(COST_TERMS)
         assert "adaptive_depth" not in rows["prove-lossless", n]
         # two repeats: the median of the per-repeat ratios, inside their spread
         for row in rows.values():

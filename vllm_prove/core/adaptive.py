@@ -338,22 +338,33 @@ class DepthController:
         self._cached: tuple = ((), {}, 0)  # (request ids, their depths, draft depth) of the last solve
         self._rng = random.Random(seed)
 
-    def decide(self, request_ids: list) -> Decision:
+    def decide(self, request_ids: list, pinned=frozenset()) -> Decision:
+        """Depths for the decoding ``request_ids``. ``pinned`` requests (running, decoding or not)
+        always get the full depth, and the batch drafts it while any of them runs: a seeded
+        request that samples consumes its generator per draft, so its text must not depend on
+        the load."""
+        decision = self._decide(request_ids)
+        if pinned:
+            full = self.choices[-1]
+            decision = Decision({r: full if r in pinned else k for r, k in decision.depths.items()}, full,
+                                decision.explored)
+        return self._record(decision) if request_ids else decision
+
+    def _decide(self, request_ids: list) -> Decision:
         if not request_ids:  # a prefill-only step: its requests draft for the next one as usual
             return Decision({}, self._last_draft_depth if self.policy == "measured" else self.choices[-1], False)
         step, self.steps = self.steps, self.steps + 1
         if self.policy == "random":
             d = self._rng.choice(self.choices)
-            return self._record(Decision({r: self._rng.choice([k for k in self.choices if k <= d])
-                                          for r in request_ids}, d, True))
+            return Decision({r: self._rng.choice([k for k in self.choices if k <= d]) for r in request_ids}, d, True)
         if step < len(self.probe) or self.costs.count == 0:
             d = self.probe[step % len(self.probe)]
-            return self._record(Decision({r: d for r in request_ids}, d, True))
+            return Decision({r: d for r in request_ids}, d, True)
         if step % self.explore_every == 0:
             i = self.choices.index(self._last_draft_depth)
             near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}
             d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
-            return self._record(Decision({r: d for r in request_ids}, d, True))
+            return Decision({r: d for r in request_ids}, d, True)
         key = tuple(request_ids)
         if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
             # a new fit, or other requests: solve again; else the same requests keep their depths
@@ -366,7 +377,7 @@ class DepthController:
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
         _, depths, d = self._cached
         self._last_draft_depth = d
-        return self._record(Decision(dict(depths), d, False))
+        return Decision(dict(depths), d, False)
 
     def _record(self, decision: Decision) -> Decision:
         self.depth_counts.update(decision.depths.values())

@@ -5,7 +5,9 @@ taken by the engine-free ``core.adaptive.DepthController``; this module only mea
 applies. Per step:
 
 1. **Decide** (start of ``schedule``): for every decoding request the verify depth ``K_r`` and
-   for the whole batch the draft depth ``D`` of the next step.
+   for the whole batch the draft depth ``D`` of the next step. A seeded request that samples
+   keeps the full depth (and the batch drafts it while one runs): its generator is drawn once per
+   draft, so its text would otherwise depend on the load.
 2. **Apply**: a request's drafts are cut to ``K_r`` before vLLM schedules them (vLLM cuts drafts
    the same way when the token budget runs short, ``scheduler.py:861-876``; the rejection
    sampler and the draft probabilities follow per request, ``gpu_model_runner.py:4719``), and
@@ -43,11 +45,19 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_prove.config import EngineMode
 from vllm_prove.core.adaptive import DepthController, DraftKind, StepShape
+from vllm_prove.engine.proposers import SAMPLING_EPS
 from vllm_prove.engine.settings import engine_settings
 
 logger = init_logger(__name__)
 LOG_EVERY_S = 30.0
 SUMMARY_ATTR = "prove_adaptive_summary"  # SchedulerOutput attribute read by the ProVe workers
+
+
+def _seeded_sampling(request) -> bool:
+    """A request whose text is fixed by its seed: it draws from its own generator once per draft
+    (drafts and verification), so it keeps the full depth whatever the load (``decide(pinned=)``)."""
+    params = request.sampling_params
+    return params is not None and params.seed is not None and params.temperature > SAMPLING_EPS
 
 
 class AdaptiveScheduler(Scheduler):
@@ -70,7 +80,8 @@ class AdaptiveScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         self._step_start = start = time.perf_counter()
         decoding = [r for r in self.running if r.num_output_tokens > 0]
-        self._plan = plan = self.depth.decide([r.request_id for r in decoding])
+        pinned = frozenset(r.request_id for r in self.running if _seeded_sampling(r))
+        self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned)
         for request in decoding:
             del request.spec_token_ids[plan.depths[request.request_id]:]
         mid = time.perf_counter()

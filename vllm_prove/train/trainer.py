@@ -76,6 +76,7 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
         before = state.get("progress", before)  # absent from checkpoints written before it was saved
     model.train()
     history, tokens, t0, loss_val = [], before["tokens"], time.perf_counter(), before["loss"]
+    final_seconds = None  # the seconds the final checkpoint recorded, when this run wrote it
     bar = tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, mininterval=2.0)
     for step in bar:
         for group in opt.param_groups:
@@ -105,11 +106,14 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
             history.append({"step": step, **{k: round(v.item(), 4) for k, v in parts.items()}})
             bar.set_postfix({k: f"{v.item():.3f}" for k, v in parts.items()})
         if out is not None and ((step + 1) % cfg.checkpoint_every == 0 or step == cfg.steps - 1):
+            # the stage's seconds are its training time, saves excluded: a resumed finished stage
+            # then reports exactly what its run reported
             progress = {"loss": loss_val, "tokens": tokens, "seconds": before["seconds"] + time.perf_counter() - t0}
             _save(model, tokenizer, opt, gen, step + 1, out, progress)
+            final_seconds = progress["seconds"]
     model.eval()
-    seconds = before["seconds"] + time.perf_counter() - t0
-    return {"step": cfg.steps, "loss": loss_val, "tokens": tokens, "seconds": round(seconds, 1),
+    seconds = final_seconds if final_seconds is not None else before["seconds"] + time.perf_counter() - t0
+    return {"step": cfg.steps, "loss": loss_val, "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "history": history}
 
 

@@ -339,15 +339,15 @@ class DepthController:
         self._rng = random.Random(seed)
 
     def decide(self, request_ids: list, pinned=frozenset()) -> Decision:
-        """Depths for the decoding ``request_ids``. ``pinned`` requests (running, decoding or not)
-        always get the full depth, and the batch drafts it while any of them runs: a seeded
-        request that samples consumes its generator per draft, so its text must not depend on
-        the load."""
+        """Depths for the decoding ``request_ids``. While any ``pinned`` request runs (decoding or
+        not) the whole batch takes the full depth, as with a fixed depth: a seeded request that
+        samples consumes its generator per draft, and vLLM's sampling of a batch is only
+        reproducible request by request when every step has the same shape, so its text must not
+        depend on the load."""
         decision = self._decide(request_ids)
         if pinned:
             full = self.choices[-1]
-            decision = Decision({r: full if r in pinned else k for r, k in decision.depths.items()}, full,
-                                decision.explored)
+            decision = Decision({r: full for r in decision.depths}, full, decision.explored)
         return self._record(decision) if request_ids else decision
 
     def _decide(self, request_ids: list) -> Decision:

@@ -5,9 +5,9 @@ taken by the engine-free ``core.adaptive.DepthController``; this module only mea
 applies. Per step:
 
 1. **Decide** (start of ``schedule``): for every decoding request the verify depth ``K_r`` and
-   for the whole batch the draft depth ``D`` of the next step. A seeded request that samples
-   keeps the full depth (and the batch drafts it while one runs): its generator is drawn once per
-   draft, so its text would otherwise depend on the load.
+   for the whole batch the draft depth ``D`` of the next step. While a seeded request that samples
+   runs, the whole batch takes the full depth (the fixed depth's behaviour): its generator is
+   drawn per draft, so its text would otherwise depend on the load.
 2. **Apply**: a request's drafts are cut to ``K_r`` before vLLM schedules them (vLLM cuts drafts
    the same way when the token budget runs short, ``scheduler.py:861-876``; the rejection
    sampler and the draft probabilities follow per request, ``gpu_model_runner.py:4719``), and
@@ -54,8 +54,8 @@ SUMMARY_ATTR = "prove_adaptive_summary"  # SchedulerOutput attribute read by the
 
 
 def _seeded_sampling(request) -> bool:
-    """A request whose text is fixed by its seed: it draws from its own generator once per draft
-    (drafts and verification), so it keeps the full depth whatever the load (``decide(pinned=)``)."""
+    """A request whose text is fixed by its seed: it draws from its own generator per draft (drafts
+    and verification), so its batch keeps the full depth while it runs (``decide(pinned=)``)."""
     params = request.sampling_params
     return params is not None and params.seed is not None and params.temperature > SAMPLING_EPS
 
@@ -88,7 +88,10 @@ class AdaptiveScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         end = time.perf_counter()
         if output.total_num_scheduled_tokens:
-            output.num_spec_tokens_to_schedule = min(plan.draft_depth, self.num_spec_tokens)
+            draft_depth = plan.draft_depth
+            if not pinned and any(_seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
+                draft_depth = self.num_spec_tokens  # a seeded sampler admitted in this very step
+            output.num_spec_tokens_to_schedule = min(draft_depth, self.num_spec_tokens)
         setattr(output, SUMMARY_ATTR, self.depth.summary(refit=False) | {"overhead_ms": self._overhead_ms()})
         self._own_seconds += (mid - start) + (time.perf_counter() - end)
         return output

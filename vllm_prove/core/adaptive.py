@@ -46,9 +46,7 @@ def expected_committed(
     accept: torch.Tensor,
 ) -> torch.Tensor:  # [batch, max_depth + 1]: E_r(K) for K = 0..max_depth
     """``E(K) = 1 + sum_{j<=K} prod_{i<=j} a_i`` (the bonus / recovered token always commits)."""
-    survive = torch.cumprod(accept.double().clamp(0.0, 1.0), dim=-1)  # [batch, max_depth]
-    zero = torch.zeros_like(survive[:, :1])
-    return 1.0 + torch.cat([zero, torch.cumsum(survive, dim=-1)], dim=-1)
+    return torch.from_numpy(_expected_np(accept.double().numpy()))
 
 
 def _expected_np(accept: np.ndarray) -> np.ndarray:  # [batch, max_depth] -> [batch, max_depth + 1]
@@ -113,7 +111,7 @@ class StepCost:
     def __call__(self, shape: StepShape) -> float:
         return float(self.coefficients() @ shape.features())
 
-    def coefficients(self) -> np.ndarray:  # [5] float64
+    def coefficients(self) -> np.ndarray:  # [7] float64, in COST_TERMS order
         return np.array([getattr(self, name) for name in COST_TERMS])
 
 
@@ -139,17 +137,10 @@ def choose_depths(
     ok[:, 0] = True
     depth = np.arange(width)
     ok = ok[None, :, :] & (depth[None, None, :] <= depth[:, None, None])  # [D, batch, K]: K <= D
-    # cost of a step with draft depth D and no verified draft, and of each verified draft
-    d = np.arange(width, dtype=np.float64)
-    if kind is DraftKind.PARALLEL:  # StepShape.of(batch, 0, d, kind), for every d at once
-        passes, draft_rows, draft_reqs = (d > 0).astype(np.float64), batch * d, batch * (d > 0)
-    else:
-        passes, draft_rows, draft_reqs = np.maximum(d, 1.0), batch + batch * np.maximum(d - 1.0, 0.0), batch + 0 * d
-    fixed = (cost.c_0 + cost.c_req * batch + cost.c_row * batch + cost.c_pass * passes + cost.c_draft_row * draft_rows
-             + cost.c_draft_req * draft_reqs)
-    per_row = max(cost.c_row + (cost.c_draft_row if kind is DraftKind.SEQUENTIAL else 0.0), 0.0)
-    # a request's own cost of depth K: its rows, plus the multi-token query once it speculates
-    own = per_row * depth + max(cost.c_spec_req, 0.0) * (depth > 0)  # [K]
+    # the cost of a step with draft depth D and no verified draft, and what a request verifying K
+    # drafts adds to any step (its rows, its multi-token query): the cost is a sum of the two
+    fixed = np.array([cost(StepShape.of(batch, 0, d, kind)) for d in range(width)])  # [D]
+    own = np.array([cost(StepShape.of(batch, k, 0, kind, spec_requests=int(k > 0))) for k in range(width)]) - fixed[0]
     choice = np.zeros((width, batch), dtype=np.int64)  # [D, batch]
     rate = batch / fixed  # [D]: everyone at depth 0 (E_r(0) = 1)
     rows = np.arange(batch)
@@ -230,16 +221,7 @@ class AcceptanceTracker:
 
     def record(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         """One verification: positions 1..min(n, a+1) were reached; 1..a were accepted."""
-        if not 0 <= num_accepted <= num_draft_tokens <= self.max_depth:
-            raise ValueError(f"need 0 <= accepted ({num_accepted}) <= drafted ({num_draft_tokens}) "
-                             f"<= max_depth ({self.max_depth})")
-        reached = min(num_draft_tokens, num_accepted + 1)
-        if request_id not in self._n:
-            self._n[request_id], self._s[request_id] = np.zeros(self.max_depth), np.zeros(self.max_depth)
-        self._n[request_id][:reached] += 1.0
-        self._s[request_id][:num_accepted] += 1.0
-        self._pop_n[:reached] += 1.0
-        self._pop_s[:num_accepted] += 1.0
+        self.record_many([request_id], [num_draft_tokens], [num_accepted])
 
     def record_many(self, request_ids: list, num_draft_tokens: list[int], num_accepted: list[int]) -> None:
         """``record`` for a whole engine step at once (one numpy pass instead of one per request)."""

@@ -26,7 +26,7 @@ In ProVe-lossless a step with ``D = 0`` also skips vLLM's drafter plumbing in th
 Nothing here changes what a lossless mode commits: vLLM's verification decides every token, and
 the mask KV a shorter verification leaves behind lies past the next verification's start
 (``proposers.SelfMaskProposer``), so the output is greedy AR's under any schedule
-(``tests/engine/test_engine_adaptive.py`` drives random schedules).
+(``tests/engine/test_engine_lossless.py`` drives random schedules).
 
 Observability: the decisions and the cost estimates are logged every ``LOG_EVERY_S`` seconds, vLLM's
 spec-decode counters carry the mean verify depth (``num_draft_tokens / num_drafts``), and every
@@ -66,7 +66,7 @@ class AdaptiveScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         settings = engine_settings(self.vllm_config)
-        if settings is None or settings.mode.gated or not settings.adaptive_on:
+        if settings is None or not settings.adaptive_on:  # never on in a gated mode (ProveEngineConfig)
             raise RuntimeError("AdaptiveScheduler serves ProVe modes 'lossless' and 'sd' with adaptive on; this engine "
                                f"has {'no ProVe settings' if settings is None else settings.model_dump(mode='json')}")
         kind = DraftKind.PARALLEL if settings.mode is EngineMode.LOSSLESS else DraftKind.SEQUENTIAL

@@ -91,7 +91,7 @@ def adaptive_summary(llm) -> dict | None:
     from vllm_prove.engine.settings import engine_settings
 
     settings = engine_settings(llm.llm_engine.vllm_config)
-    if settings is None or settings.mode.gated or not settings.adaptive_on:
+    if settings is None or not settings.adaptive_on:
         return None
     return llm.collective_rpc("prove_adaptive_summary")[0]
 

@@ -59,3 +59,10 @@ def test_format_row_and_plot(tmp_path):
     assert engine_bench.format_row(rows[-1]).count("-") >= 3  # missing values print as '-'
     engine_bench.plot(rows, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_refuses_zero_repeats_before_any_engine_starts():
+    from vllm_prove.errors import ProveError
+
+    with pytest.raises(ProveError, match=r"--repeats: at least 1, got 0"):
+        engine_bench.run_engine_bench(["def f():"], repeats=0)

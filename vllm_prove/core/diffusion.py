@@ -10,14 +10,19 @@ still-masked position; the most confident ones are revealed (their argmax token 
 
 A token's *raw confidence* is the probability of its token in the pass that revealed it; its
 *reveal step* is that pass's index. Everything here is a pure function of the drafter's
-probabilities; the drafter itself (a transformers model) lives in `vllm_prove.reference.drafter`.
+probabilities or of a `pass_fn` that runs the drafter: `denoise` is the one reveal loop of the
+transformers drafter (`vllm_prove.reference.drafter`) and of the vLLM one (`vllm_prove.engine.diffusion`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+from vllm_prove.core.contracts import PLACEHOLDER_TOKEN_ID
 
 # Reveal order ties (equal confidence) break towards the earlier position (a stable sort).
 TOP_MASS_K = 5  # "top-5 mass" feature
@@ -127,3 +132,75 @@ def scalar_features(
         torch.full((batch, gamma), float(dataset == "math")),
     ]
     return torch.stack(cols, dim=-1)
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One drafted block per row (rows not drafting hold PLACEHOLDER_TOKEN_ID, n = 0)."""
+
+    draft_token_ids: torch.Tensor  # [batch, gamma] int64
+    num_draft_tokens: torch.Tensor  # [batch] int64
+    confidence: torch.Tensor  # [batch, gamma] float: probability of the token at its reveal pass
+    reveal_step: torch.Tensor  # [batch, gamma] int64
+    hidden: torch.Tensor | None = None  # [batch, gamma, hidden]: LM-head input at the reveal pass
+    scalars: torch.Tensor | None = None  # [batch, gamma, NUM_SCALAR_FEATURES]
+
+
+# pass_fn(tokens [batch, gamma] int64, step) -> (logits [batch, gamma, vocab], LM-head inputs
+# [batch, gamma, hidden]); index j predicts block token j; ids that must never be drafted
+# (the mask) already at -inf.
+DenoisePass = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def denoise(
+    pass_fn: DenoisePass,
+    # [batch] bool: rows that draft
+    active: torch.Tensor,
+    gamma: int,
+    steps: int,
+    mask_token_id: int,
+    *,
+    features: bool = False,
+    # [batch] int64: tokens each row generated before this block (a survival feature)
+    generated: torch.Tensor | None = None,
+    max_new_tokens: int = 1,
+    dataset: str = "code",
+) -> DraftBlock:
+    """Denoise `gamma` masks in `steps` passes, revealing the most confident masks each pass
+    (`reveal_counts`, `select_reveals`); with `features`, the survival predictors' inputs."""
+    batch = active.shape[0]
+    device = active.device
+    act = active[:, None]  # [batch, 1]
+    tokens = torch.full((batch, gamma), mask_token_id, dtype=torch.long, device=device)
+    masked = act.expand(batch, gamma).clone()  # [batch, gamma]
+    confidence = torch.zeros(batch, gamma, device=device)
+    step_of = torch.zeros(batch, gamma, dtype=torch.long, device=device)
+    rank = torch.zeros(batch, gamma, dtype=torch.long, device=device)
+    hidden = stats_at = first = None
+    for s, count in enumerate(reveal_counts(gamma, steps)):
+        logits, h = pass_fn(tokens, s)  # [batch, gamma, vocab], [batch, gamma, hidden]
+        stats = distribution_stats(torch.softmax(logits.float(), dim=-1))  # each [batch, gamma]
+        if s == 0:
+            first = stats
+            stats_at = {k: v.clone() for k, v in stats.items()}
+            hidden = torch.zeros(batch, gamma, h.shape[-1], device=device) if features else None
+        reveal = select_reveals(stats["top1_prob"], masked, count)  # [batch, gamma]
+        tokens = torch.where(reveal, stats["token"], tokens)
+        confidence = torch.where(reveal, stats["top1_prob"], confidence)
+        step_of = torch.where(reveal, s, step_of)
+        order = torch.cumsum(reveal.long(), 1) - 1 + (~masked & act).sum(1, keepdim=True)  # rank within reveals
+        rank = torch.where(reveal, order, rank)
+        for k in stats_at:
+            stats_at[k] = torch.where(reveal, stats[k], stats_at[k])
+        if hidden is not None:
+            hidden = torch.where(reveal[..., None], h.float(), hidden)
+        masked &= ~reveal
+    n = torch.where(active, gamma, 0)  # [batch]
+    tokens = torch.where(act, tokens, PLACEHOLDER_TOKEN_ID)
+    scalars = None
+    if features:
+        if generated is None:
+            generated = torch.zeros(batch, dtype=torch.long, device=device)
+        scalars = scalar_features(stats_at, first, step_of, rank, generated, max_new_tokens, steps, dataset)
+    return DraftBlock(tokens, n, confidence, step_of, hidden, scalars)

@@ -22,12 +22,10 @@ vocabulary, and a drafted mask would be committed as that token.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import torch
 
-from vllm_prove.core.contracts import PLACEHOLDER_TOKEN_ID
-from vllm_prove.core.diffusion import distribution_stats, reveal_counts, scalar_features, select_reveals
+from vllm_prove.core.diffusion import DraftBlock, denoise, reveal_counts
 from vllm_prove.errors import ProveError
 from vllm_prove.reference.kv import BatchedKV, pad_rows
 
@@ -35,18 +33,6 @@ from vllm_prove.reference.kv import BatchedKV, pad_rows
 class DrafterKind(str, enum.Enum):
     BLOCK = "block"  # causal prefix (KV-cached) + bidirectional draft block
     FULL = "full"  # context + block, all bidirectional, recomputed every pass
-
-
-@dataclass(frozen=True)
-class DraftBlock:
-    """One drafted block per row (rows not drafting hold PLACEHOLDER_TOKEN_ID, n = 0)."""
-
-    draft_token_ids: torch.Tensor  # [batch, gamma] int64
-    num_draft_tokens: torch.Tensor  # [batch] int64
-    confidence: torch.Tensor  # [batch, gamma] float: probability of the token at its reveal pass
-    reveal_step: torch.Tensor  # [batch, gamma] int64
-    hidden: torch.Tensor | None = None  # [batch, gamma, hidden]: LM-head input at the reveal pass
-    scalars: torch.Tensor | None = None  # [batch, gamma, NUM_SCALAR_FEATURES]
 
 
 class DiffusionDrafter:
@@ -82,44 +68,15 @@ class DiffusionDrafter:
 
     @torch.no_grad()
     def draft(self, active: list[bool]) -> DraftBlock:
-        """Denoise `gamma` masks in `steps` passes, revealing the most confident each pass."""
-        batch, gamma = len(active), self.gamma
-        act = torch.tensor(active)[:, None]  # [batch, 1]
-        tokens = torch.full((batch, gamma), self.mask_id, dtype=torch.long)
-        masked = act.expand(batch, gamma).clone()  # [batch, gamma]
-        confidence = torch.zeros(batch, gamma)
-        step_of = torch.zeros(batch, gamma, dtype=torch.long)
-        rank = torch.zeros(batch, gamma, dtype=torch.long)
-        hidden = stats_at = first = None
-        for s, count in enumerate(self.counts):
-            logits, h = self._pass(tokens, active, s)  # [batch, gamma, vocab], [batch, gamma, hidden]
-            stats = distribution_stats(torch.softmax(logits, dim=-1))  # each [batch, gamma]
-            if s == 0:
-                first = stats
-                stats_at = {k: v.clone() for k, v in stats.items()}
-                hidden = torch.zeros(batch, gamma, h.shape[-1]) if self.features else None
-            reveal = select_reveals(stats["top1_prob"], masked, count)  # [batch, gamma]
-            tokens = torch.where(reveal, stats["token"], tokens)
-            confidence = torch.where(reveal, stats["top1_prob"], confidence)
-            step_of = torch.where(reveal, s, step_of)
-            order = torch.cumsum(reveal.long(), 1) - 1 + (~masked & act).sum(1, keepdim=True)  # rank within reveals
-            rank = torch.where(reveal, order, rank)
-            for k in stats_at:
-                stats_at[k] = torch.where(reveal, stats[k], stats_at[k])
-            if hidden is not None:
-                hidden = torch.where(reveal[..., None], h, hidden)
-            masked &= ~reveal
+        """Denoise `gamma` masks in `steps` passes (`core.diffusion.denoise`)."""
+        block = denoise(lambda tokens, s: self._pass(tokens, active, s), torch.tensor(active), self.gamma,
+                        self.steps, self.mask_id, features=self.features, generated=self.generated,
+                        max_new_tokens=self.max_new_tokens, dataset=self.dataset)
         if self.cached:
             for r, a in enumerate(active):
                 if a:
                     self.pending[r] = []
-        n = torch.where(act[:, 0], gamma, 0)
-        tokens = torch.where(act, tokens, PLACEHOLDER_TOKEN_ID)
-        scalars = None
-        if self.features:
-            scalars = scalar_features(stats_at, first, step_of, rank, self.generated, self.max_new_tokens,
-                                      self.steps, self.dataset)
-        return DraftBlock(tokens, n, confidence, step_of, hidden, scalars)
+        return block
 
     def _pass(self, tokens: torch.Tensor, active: list[bool], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One denoising pass; logits and LM-head inputs aligned so index j predicts block token j."""

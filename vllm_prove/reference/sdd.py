@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from vllm_prove.config import DecodeConfig, Method, SkipSignal
+from vllm_prove.core.diffusion import DraftBlock
 from vllm_prove.core.rules import lenient_accept, strict_greedy, topk_accept
 from vllm_prove.core.skip_policy import PrefixGate, SkipPolicy, guard_flags
 from vllm_prove.errors import ProveError
 from vllm_prove.reference.decoders import CycleRecord, Decoder, _lengths
-from vllm_prove.reference.drafter import DiffusionDrafter, DraftBlock
+from vllm_prove.reference.drafter import DiffusionDrafter
 
 SIGNAL_GATES = {SkipSignal.RAW: PrefixGate.GEOMETRIC_MEAN, SkipSignal.MARGINAL: PrefixGate.MIN,
                 SkipSignal.CONDITIONAL: PrefixGate.PRODUCT}

@@ -192,6 +192,7 @@ class EngineMode(str, enum.Enum):
     VERIFIER = "verifier"  # docs/METHODS.md §3: a small verifier scores the block, a gate commits
     MARS = "mars"  # docs/METHODS.md §5: the tau rule, no verifier pass
     SD = "sd"  # vLLM's own draft-model SD (the user's speculative_config), under the adaptive depth
+    SDD = "sdd"  # docs/METHODS.md §7: a diffusion drafter drafts, the target verifies or is skipped
 
     @property
     def gated(self) -> bool:
@@ -235,20 +236,50 @@ class ProveEngineConfig(_Strict):
     adaptive_policy: Literal["measured", "random"] = "measured"
     """`measured`: the controller maximizes expected committed tokens per second; `random`:
     depths drawn at random every step (a diagnostic: exact modes must not change their output)."""
+    # -- mode sdd (docs/METHODS.md §7): block_size is gamma, the drafted block ---------------
+    drafter: str | None = _DECODE_FIELDS["drafter"]
+    """Diffusion drafter folder (`mode=sdd`; `diffusion_drafter` in its config.json says its kind)."""
+    steps: int = _DECODE_FIELDS["steps"]
+    """T: denoising passes per drafted block (`mode=sdd`); at most block_size."""
+    rule: Literal["strict", "lenience", "topk", "skip"] = "strict"
+    """`mode=sdd`: `strict` (greedy AR exactly; exact speculative sampling at temperature > 0),
+    `lenience` / `topk` (lossy acceptance of greedy requests), `skip` (strict verification that
+    a policy may skip: a confident draft prefix is committed with no target pass for it)."""
+    lenience: float = _DECODE_FIELDS["lenience"]
+    top_k: int = _DECODE_FIELDS["top_k"]
+    signal: SkipSignal = _DECODE_FIELDS["signal"]
+    survival: str | None = _DECODE_FIELDS["survival"]
+    k_min: int = _DECODE_FIELDS["k_min"]
+    s_max: int = _DECODE_FIELDS["s_max"]
+    eta_b: float = _DECODE_FIELDS["eta_b"]
+    eta_c: float = _DECODE_FIELDS["eta_c"]
 
     @model_validator(mode="after")
     def _verifier_only_in_verifier_mode(self) -> "ProveEngineConfig":
         if self.verifier is not None and self.mode is not EngineMode.VERIFIER:
             raise ProveError(f"verifier: only mode='verifier' reads a verifier, got mode={self.mode.value!r}")
-        if self.adaptive and self.mode.gated:
+        if self.adaptive and self.mode in (EngineMode.VERIFIER, EngineMode.MARS, EngineMode.SDD):
             raise ProveError(f"adaptive: mode={self.mode.value!r} speculates a fixed window (the adaptive depth "
                              "runs in modes 'lossless' and 'sd'); leave adaptive unset or false")
+        if self.drafter is not None and self.mode is not EngineMode.SDD:
+            raise ProveError(f"drafter: only mode='sdd' reads a diffusion drafter, got mode={self.mode.value!r}")
+        if self.mode is EngineMode.SDD:
+            if self.drafter is None:
+                raise ProveError("drafter: mode='sdd' needs the diffusion drafter's folder")
+            if self.steps > self.block_size:
+                raise ProveError(f"steps ({self.steps}) must be <= block_size ({self.block_size}, gamma in "
+                                 "mode 'sdd'): each denoising pass reveals a token")
+            if self.rule == "skip" and self.signal is not SkipSignal.RAW and self.survival is None:
+                raise ProveError(f"survival: signal {self.signal.value!r} needs the folder written by "
+                                 "`vllm-prove train survival`")
         return self
 
     @property
     def adaptive_on(self) -> bool:
         """Whether the adaptive depth controller runs (the `adaptive` default resolved)."""
-        return (not self.mode.gated) if self.adaptive is None else self.adaptive
+        if self.adaptive is None:
+            return self.mode in (EngineMode.LOSSLESS, EngineMode.SD)
+        return self.adaptive
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -14,6 +14,7 @@ The settings decide vLLM's flags, so the user writes only ``additional_config``:
 | verifier | draft_model = the verifier, K = B - 1 (its KV shares the block table) | ProVe | ProVe |
 | mars | draft_model = the served model (never loaded twice), K = B - 1 | ProVe | ProVe |
 | sd | the user's own draft_model ``speculative_config``, K = its num_speculative_tokens | ProVe | adaptive |
+| sdd | draft_model = the diffusion drafter, K = gamma = block_size | ProVe | SDD |
 
 In lossless and sd mode the scheduler is ``AdaptiveScheduler`` (load-adaptive depth) unless
 ``adaptive`` is false, which leaves vLLM's. A ``speculative_config`` given by the user must
@@ -39,12 +40,14 @@ from vllm_prove.errors import ProveError
 PROVE_KEY = "prove"
 SCHEDULER_CLS = "vllm_prove.engine.scheduler.ProveScheduler"
 ADAPTIVE_SCHEDULER_CLS = "vllm_prove.engine.adaptive.AdaptiveScheduler"
+SDD_SCHEDULER_CLS = "vllm_prove.engine.diffusion.SDDScheduler"
 CPU_WORKER_CLS = "vllm_prove.engine.worker.ProveCPUWorker"
 GPU_WORKER_CLS = "vllm_prove.engine.worker.ProveGPUWorker"
 
 
 # `speculative_config["model"]` names that select a ProVe mode (`--speculative-config`).
-SPECULATIVE_MODELS = {f"vllm_prove.{mode.value}": mode for mode in EngineMode if mode is not EngineMode.SD}
+SPECULATIVE_MODELS = {f"vllm_prove.{mode.value}": mode for mode in EngineMode
+                      if mode not in (EngineMode.SD, EngineMode.SDD)}
 
 
 def settings_from_speculative_config(args) -> None:  # args: EngineArgs, mutable
@@ -128,6 +131,28 @@ def resolve_verifier(settings: ProveEngineConfig, user_spec: dict[str, Any], mod
     return verifier
 
 
+def resolve_sdd_drafter(settings: ProveEngineConfig, model: str, trust_remote_code: bool) -> int:
+    """Mode ``sdd``: the drafter's mask id, after checking drafter against target (one vocabulary,
+    one mask id) and its kind (vLLM runs the KV-cached block drafter)."""
+    from transformers import AutoTokenizer
+
+    from vllm_prove.reference.drafter import resolve_drafter
+
+    target_tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+    mask_token_id, spec = resolve_drafter(settings.drafter, target_tok, settings.mask_token_id)
+    kind = spec.get("kind", "block")
+    if kind != "block":
+        raise ProveError(f"drafter: {settings.drafter!r} is a {kind!r} diffusion drafter (every pass re-reads the "
+                         "whole context bidirectionally); inside vLLM only the KV-cached 'block' kind runs. Use the "
+                         "reference engine (`vllm-prove generate --engine reference`) for it")
+    drafter_vocab = _hf_config(settings.drafter, True).vocab_size
+    target_vocab = _hf_config(model, trust_remote_code).vocab_size
+    if drafter_vocab != target_vocab:
+        raise ProveError(f"drafter: vocabulary size {drafter_vocab} of {settings.drafter!r} != {target_vocab} of "
+                         f"the target {model!r}; vLLM verifies drafts of one vocabulary")
+    return mask_token_id
+
+
 def resolve_sd_settings(settings: ProveEngineConfig, user_spec: dict[str, Any]) -> ProveEngineConfig:
     """Mode ``sd``: vLLM's draft-model SD as the user configured it; ``block_size`` is its K."""
     if user_spec.get("method", "draft_model") != "draft_model" or not user_spec.get("model"):
@@ -150,6 +175,8 @@ def speculative_config_for(settings: ProveEngineConfig, model: str, verifier: st
     spec: dict[str, Any] = {"method": "draft_model", "num_speculative_tokens": settings.num_speculative_tokens}
     if settings.mode is EngineMode.SD:
         return spec
+    if settings.mode is EngineMode.SDD:
+        return spec | {"model": settings.drafter}
     if settings.mode is EngineMode.LOSSLESS:
         # The mask-pass distributions become the draft probabilities of vLLM's rejection
         # sampler (llm_base_proposer.py:258): exact speculative sampling at temperature > 0.
@@ -205,6 +232,8 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
     if settings.mode is EngineMode.SD:
         settings = resolve_sd_settings(settings, user_spec)
         mask_token_id = settings.mask_token_id  # vLLM's SD feeds no placeholder
+    elif settings.mode is EngineMode.SDD:
+        mask_token_id = resolve_sdd_drafter(settings, args.model, args.trust_remote_code)
     else:
         mask_token_id = resolve_mask_token_id(settings, args.model, args.trust_remote_code)
     verifier = None
@@ -219,12 +248,14 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
 
     worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
     _set_engine_class(args, "worker_cls", worker_cls, ("auto",))
-    scheduler_cls = SCHEDULER_CLS if settings.mode.gated else ADAPTIVE_SCHEDULER_CLS if settings.adaptive_on else None
+    scheduler_cls = (SCHEDULER_CLS if settings.mode.gated else SDD_SCHEDULER_CLS if settings.mode is EngineMode.SDD
+                     else ADAPTIVE_SCHEDULER_CLS if settings.adaptive_on else None)
     if scheduler_cls is not None:
         _set_engine_class(args, "scheduler_cls", scheduler_cls, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
         if args.async_scheduling:
             why = ("the gated ProVe modes roll back num_computed_tokens" if settings.mode.gated else
-                   "the adaptive depth times each step and decides the next one (set adaptive=false to keep it)")
+                   "mode 'sdd' commits skipped tokens the target has not read yet" if settings.mode is EngineMode.SDD
+                   else "the adaptive depth times each step and decides the next one (set adaptive=false to keep it)")
             raise ProveError(f"async_scheduling: {why} in a synchronous scheduler")
         args.async_scheduling = False
     return resolved

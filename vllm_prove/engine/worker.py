@@ -39,6 +39,12 @@ def install(worker) -> None:
         )
     if settings.mode is EngineMode.LOSSLESS:
         runner.drafter = SelfMaskProposer(worker.vllm_config, runner.device, runner)
+    if settings.mode is EngineMode.SDD:
+        from vllm_prove.engine.diffusion import DiffusionProposer, sdd_runner_class
+
+        runner.drafter = DiffusionProposer(worker.vllm_config, runner.device, runner, settings)
+        runner.__class__ = sdd_runner_class(type(runner))
+        runner.prove = settings
     if settings.adaptive_on:  # lossless, sd: plain steps as cheap as a plain engine's
         from vllm_prove.engine.adaptive import plain_step_runner_class
 
@@ -87,6 +93,19 @@ class _ProveWorkerMixin:
         """The adaptive depth's decisions and cost estimates as of the last step (None before any,
         or without the adaptive depth): ``DepthController.summary()``, sent by the scheduler."""
         return getattr(self, "_prove_adaptive_summary", None)
+
+    def prove_sdd_counters(self, reset: bool = False) -> dict | None:
+        """Mode ``sdd``: draft blocks, verifier calls, skipped rounds and tokens, and StrictToken /
+        FullPrefix of the relaxed rules since start-up (or the last reset); None in other modes."""
+        from vllm_prove.engine.diffusion import DiffusionProposer, SDDCounters
+
+        drafter = getattr(self.model_runner, "drafter", None)
+        if not isinstance(drafter, DiffusionProposer):
+            return None
+        summary = drafter.counters.summary()
+        if reset:
+            drafter.counters = SDDCounters()
+        return summary
 
     def prove_set_cpu_sampling_fix(self, enabled: bool) -> bool:
         """Switch the CPU expand-kernel fix (test of ``cpu_fixes``); True if it applies here."""

@@ -129,3 +129,20 @@ def check_drafter_tokenizer(drafter_tok, target_tok, mask_token_id: int, drafter
         if piece != mask_piece and d_vocab.get(piece) != i:
             raise ProveError(f"diffusion drafter: token {piece!r} is id {i} for the target but "
                              f"{d_vocab.get(piece)} for the drafter; drafter and target need one vocabulary")
+
+
+def resolve_drafter(path: str, target_tok, mask_token_id: int | None = None) -> tuple[int, dict]:
+    """The drafter's mask id and `diffusion_drafter` spec (kind, logits_shift) from its folder,
+    checked against the target's tokenizer (`check_drafter_tokenizer`)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    d_tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    mask_id = mask_token_id
+    for source in (getattr(config, "mask_token_id", None), getattr(d_tok, "mask_token_id", None)):
+        mask_id = source if mask_id is None else mask_id
+    if mask_id is None:
+        raise ProveError(f"mask_token_id: the drafter at {path} names no mask token (config.json or tokenizer); "
+                         "give the mask token id")
+    check_drafter_tokenizer(d_tok, target_tok, mask_id, config)
+    return int(mask_id), dict(getattr(config, "diffusion_drafter", None) or {})

@@ -80,24 +80,15 @@ def load_models(cfg: DecodeConfig) -> Models:
 def attach_drafter(cfg: DecodeConfig, models: Models, load=None) -> Models:
     """Load the diffusion drafter (MDLM/BERT or Dream style, docs/METHODS.md §7) and check it
     against the target: one vocabulary, one mask id."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from vllm_prove.reference.drafter import check_drafter_tokenizer
+    from vllm_prove.reference.drafter import resolve_drafter
 
     path = cfg.drafter or zoo_path("drafter")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    d_tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else (
-        getattr(config, "mask_token_id", None) if getattr(config, "mask_token_id", None) is not None
-        else getattr(d_tok, "mask_token_id", None))
-    if mask_id is None:
-        raise ProveError(f"mask_token_id: the drafter at {path} names no mask token (config.json or tokenizer); "
-                         "give --mask-token-id")
-    check_drafter_tokenizer(d_tok, models.tokenizer, mask_id, config)
+    mask_id, spec = resolve_drafter(path, models.tokenizer, cfg.mask_token_id)
     load = load or (lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, cfg.dtype),
                                                                     attn_implementation="sdpa").eval())
-    models.drafter, models.drafter_mask_id = load(path), mask_id
-    models.drafter_spec = dict(getattr(config, "diffusion_drafter", None) or {})
+    models.drafter, models.drafter_mask_id, models.drafter_spec = load(path), mask_id, spec
     return models
 
 

@@ -99,7 +99,7 @@ def _permutation(strict_results, base: dict) -> dict:
     from vllm_prove.core.skip_policy import PrefixGate
     from vllm_prove.core.survival import permutation_diagnostic
 
-    recs = [rec for r in strict_results for rec in r.records]
+    recs = [rec for r in strict_results for rec in r.records if rec.drafted]
     scores = torch.tensor([rec.proposer_probs for rec in recs])  # [rounds, gamma]
     accepted = torch.tensor([rec.strict for rec in recs])
     n = torch.full_like(accepted, scores.shape[1])

@@ -38,6 +38,7 @@ class RoundRecord(CycleRecord):
     """One SDD round of one request (CycleRecord's fields + the round's verdict)."""
 
     verified: bool = True  # the target ran for this row
+    drafted: bool = True  # False for a request's first round: the prompt's pass yields its first token
     K_hat: int = 0  # feasible prefix (sdd-skip)
     relaxed: int = 0  # K_b: draft tokens committed by a relaxed rule (skip, lenience, top-k); 0 if strict
     strict: int = NOT_AUDITED  # L_b: draft tokens strict verification accepts
@@ -74,9 +75,12 @@ class SDDDecoder(Decoder):
         return never, torch.zeros(len(active), dtype=torch.long), never
 
     def cycle(self, active):
-        draft = self.drafter.draft(active)  # T denoising passes
-        x, n = draft.draft_token_ids, draft.num_draft_tokens  # [batch, gamma], [batch]
-        skip, K_hat, forced = self.skip(draft, active)  # [batch] each
+        # A request's first round reads its prompt and commits the target's first token, as a
+        # serving engine's prefill step does; the drafter drafts from the round after.
+        drafting = [a and int(self.drafter.generated[r]) > 0 for r, a in enumerate(active)]
+        draft = self.drafter.draft(drafting)  # T denoising passes
+        x, n = draft.draft_token_ids, draft.num_draft_tokens  # [batch, gamma], [batch]: n = 0 if not drafting
+        skip, K_hat, forced = self.skip(draft, drafting)  # [batch] each
         verify = [a and not bool(s) for a, s in zip(active, skip)]
         accepted = strict_l = torch.zeros(len(active), dtype=torch.long)  # [batch]
         committed = [[] for _ in active]
@@ -103,10 +107,11 @@ class SDDDecoder(Decoder):
             strict = int(strict_l[r]) if verify[r] else (int(audit[r]) if audit is not None else NOT_AUDITED)
             relaxed = int(K_hat[r]) if skip[r] else (int(accepted[r]) if self.relaxed_verify and verify[r] else 0)
             feats = None
-            if draft.hidden is not None and active[r]:
+            if draft.hidden is not None and drafting[r]:
                 feats = (draft.hidden[r].clone(), draft.scalars[r].clone())
-            recs.append(RoundRecord(committed=len(committed[r]), proposed=x[r].tolist(),
-                                    proposer_probs=draft.confidence[r].tolist(), verified=verify[r],
+            recs.append(RoundRecord(committed=len(committed[r]), proposed=x[r].tolist() if drafting[r] else [],
+                                    proposer_probs=draft.confidence[r].tolist() if drafting[r] else [],
+                                    verified=verify[r], drafted=drafting[r],
                                     K_hat=int(K_hat[r]), relaxed=relaxed, strict=strict, forced=bool(forced[r]),
                                     reveal_steps=draft.reveal_step[r].tolist(), features=feats))
         return committed, recs
@@ -195,15 +200,15 @@ def sdd_summary(records: list[RoundRecord], num_tokens: int) -> dict:
     FullPrefix over the rounds that committed a relaxed prefix (docs/METHODS.md §7)."""
     from vllm_prove.core.metrics import full_prefix_acceptance, strict_token_agreement
 
-    calls = sum(r.verified for r in records)
-    out = {"verifier_calls": calls, "draft_blocks": len(records),
+    calls, blocks = sum(r.verified for r in records), sum(r.drafted for r in records)
+    out = {"verifier_calls": calls, "draft_blocks": blocks,
            "verifier_calls_per_token": round(calls / max(1, num_tokens), 4),
-           "draft_blocks_per_token": round(len(records) / max(1, num_tokens), 4),
+           "draft_blocks_per_token": round(blocks / max(1, num_tokens), 4),
            "skipped_rounds": sum(not r.verified for r in records),
            "skipped_tokens": sum(r.committed for r in records if not r.verified),
            "forced_strict_rounds": sum(r.forced for r in records),
-           "strict_accepted_per_round": round(sum(max(0, r.strict) for r in records if r.verified)
-                                              / max(1, calls), 4)}
+           "strict_accepted_per_round": round(sum(max(0, r.strict) for r in records if r.verified and r.drafted)
+                                              / max(1, sum(r.verified and r.drafted for r in records)), 4)}
     audited = [r for r in records if r.relaxed > 0 and r.strict != NOT_AUDITED]
     if audited:
         K, L = [r.relaxed for r in audited], [r.strict for r in audited]
@@ -220,6 +225,8 @@ def write_traces(results, path, features_path=None) -> None:
     lines, hidden, scalars, accepted, n, prompt_id, conf = [], [], [], [], [], [], []
     for res in results:
         for i, rec in enumerate(res.records):
+            if not rec.drafted:
+                continue
             lines.append(json.dumps({"prompt": res.index, "round": i, "verified": rec.verified,
                                      "committed": rec.committed, "K_hat": rec.K_hat, "relaxed": rec.relaxed,
                                      "strict": rec.strict, "forced": rec.forced, "draft": rec.proposed,

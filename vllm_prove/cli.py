@@ -78,6 +78,8 @@ def cmd_generate(args) -> int:
     if args.engine == "vllm":
         if args.track_ar_match:
             raise ProveError("--track-ar-match: only the reference engine records per-block diagnostics")
+        if args.trace or args.trace_features:
+            raise ProveError("--trace/--trace-features: only the reference engine writes per-round traces")
         from vllm_prove.engine.generate import generate, prepare_environment
 
         prepare_environment()

@@ -59,17 +59,19 @@ class SDDCounters:
     """Worker-side counts of one engine (``collective_rpc("prove_sdd_counters")``)."""
 
     draft_blocks: int = 0  # blocks drafted for requests whose sample counts
-    verified_blocks: int = 0  # windows the target verified (verifier calls)
+    verified_blocks: int = 0  # target passes that gave a request tokens (verifier calls; prefills included)
     skipped_rounds: int = 0
     skipped_tokens: int = 0
     relaxed: list[int] = field(default_factory=list)  # lenience / topk: K_b per window that relaxed
     strict: list[int] = field(default_factory=list)  # L_b: what strict verification accepted there
+    skips: list[tuple[str, int, int]] = field(default_factory=list)  # (request, output index, K) per skip
 
     def summary(self) -> dict:
         from vllm_prove.core.metrics import full_prefix_acceptance, strict_token_agreement
 
         out = {"draft_blocks": self.draft_blocks, "verifier_calls": self.verified_blocks,
-               "skipped_rounds": self.skipped_rounds, "skipped_tokens": self.skipped_tokens}
+               "skipped_rounds": self.skipped_rounds, "skipped_tokens": self.skipped_tokens,
+               "skips": list(self.skips)}
         pairs = [(k, s) for k, s in zip(self.relaxed, self.strict) if k > 0]
         if pairs:
             K, L = zip(*pairs)
@@ -211,6 +213,7 @@ class DiffusionProposer(DraftModelProposer):
             last = h[torch.cumsum(K, 0) - 1]  # [rows, H]: at each row's last skipped token
             start = start + K
             cur = self._draft(last, start, table[rows], generated)
+            self.counters.draft_blocks += rows.numel()
         return DraftBlock(drafts, block.num_draft_tokens, block.confidence, block.reveal_step)
 
     # -- vLLM plumbing -------------------------------------------------------------------------
@@ -289,6 +292,8 @@ class SDDRunnerMixin:
             batch.is_token_ids[row, start:end] = True
             batch.num_tokens_no_spec[row] = end
             req_id = batch.req_ids[row]
+            self.drafter.counters.skips.append((external_id(req_id), len(self.requests[req_id].output_token_ids),
+                                                len(tokens)))
             self.requests[req_id].output_token_ids.extend(tokens)
             valid_sampled_token_ids[row].extend(tokens)
             self._prove_skipped[req_id] = len(tokens)
@@ -305,11 +310,9 @@ class SDDRunnerMixin:
         """vLLM's sampler (strict verification); ``lenience`` / ``topk`` re-decide the windows of
         greedy requests from the same logits with the core's rule."""
         md = spec_decode_metadata
-        if md is None:
-            return super()._sample(logits, md)
-        counts = torch.tensor(md.num_draft_tokens)
-        self.drafter.counters.verified_blocks += int((counts > 0).sum())
-        if self.prove.rule not in ("lenience", "topk"):
+        num_reqs = self.input_batch.num_reqs
+        self.drafter.counters.verified_blocks += int((~self.discard_request_mask.np[:num_reqs]).sum())
+        if md is None or self.prove.rule not in ("lenience", "topk"):
             return super()._sample(logits, md)
         x, n, window = _windows(logits, md)  # [reqs, S], [reqs], [reqs, S + 1, V]
         sampled = super()._sample(logits.clone(), md)  # vLLM may write into the logits
@@ -329,6 +332,11 @@ class SDDRunnerMixin:
             self.drafter.counters.strict.append(int(strict.num_accepted[i]))
         logprobs = sampled.logprobs_tensors  # served requests ask for none (request_gate_serves)
         return SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=logprobs)
+
+
+def external_id(req_id: str) -> str:
+    """The request id the user gave (vLLM appends ``-`` and 8 random characters, input_processor.py:371)."""
+    return req_id.rsplit("-", 1)[0]
 
 
 def _windows(logits: torch.Tensor, md) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

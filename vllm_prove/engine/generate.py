@@ -36,8 +36,7 @@ def method_flags(cfg: DecodeConfig) -> dict:
     """vLLM flags (``speculative_config`` / ``additional_config``) of a method; {} for AR."""
     verifier = cfg.verifier or zoo_path("verifier")
     if cfg.method.diffusion:
-        raise ProveError(f"--engine vllm: method {cfg.method.value!r} (speculative diffusion decoding) runs on the "
-                         "reference engine so far (--engine reference); it is not inside vLLM yet")
+        return {"additional_config": {"prove": sdd_settings(cfg)}}
     if cfg.method is Method.AR:
         return {}
     if cfg.method is Method.SD:  # vLLM's own draft-model SD, the verifier as the drafter
@@ -54,6 +53,75 @@ def method_flags(cfg: DecodeConfig) -> dict:
     else:
         prove |= {"mode": "lossless", "adaptive": cfg.adaptive}
     return {"additional_config": {"prove": prove}}
+
+
+SDD_RULES = {Method.SDD: "strict", Method.SDD_LENIENCE: "lenience", Method.SDD_TOPK: "topk", Method.SDD_SKIP: "skip"}
+
+
+def sdd_settings(cfg: DecodeConfig) -> dict:
+    """``additional_config["prove"]`` of mode ``sdd`` for a diffusion method (gamma = block_size)."""
+    prove = {"mode": "sdd", "drafter": cfg.drafter or zoo_path("drafter"), "block_size": cfg.gamma,
+             "steps": cfg.steps, "rule": SDD_RULES[cfg.method]}
+    if cfg.mask_token_id is not None:
+        prove["mask_token_id"] = cfg.mask_token_id
+    if cfg.method is Method.SDD_LENIENCE:
+        prove["lenience"] = cfg.lenience
+    if cfg.method is Method.SDD_TOPK:
+        prove["top_k"] = cfg.top_k
+    if cfg.method is Method.SDD_SKIP:
+        prove |= {"signal": cfg.signal.value, "survival": cfg.survival, "k_min": cfg.k_min, "s_max": cfg.s_max,
+                  "eta_b": cfg.eta_b, "eta_c": cfg.eta_c}
+    return prove
+
+
+def sdd_counters(llm, reset: bool = False) -> dict | None:
+    """Mode ``sdd``'s worker counters (``ProveWorker.prove_sdd_counters``); None in other modes."""
+    return llm.collective_rpc("prove_sdd_counters", args=(reset,))[0]
+
+
+def audit_skips(model, results: list[RequestResult], skips: list[tuple[str, int, int]]) -> tuple[list, list]:
+    """The shadow verifier after the run: for each skip ``(request, output index, K)``, ``L`` =
+    how many of its tokens greedy verification would have accepted (the target's argmax given
+    the committed prefix, one teacher-forced transformers pass per request). Returns (K, L)."""
+    import torch
+
+    by_request: dict[str, list[tuple[int, int]]] = {}
+    for request_id, start, k in skips:
+        by_request.setdefault(request_id, []).append((start, k))
+    K, L = [], []
+    for res in results:
+        segments = by_request.get(str(res.index))
+        if not segments:
+            continue
+        ids = list(res.prompt_token_ids) + list(res.token_ids)
+        with torch.no_grad():
+            greedy = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()  # greedy[p] predicts ids[p + 1]
+        offset = len(res.prompt_token_ids)
+        for start, k in segments:
+            k = min(k, len(res.token_ids) - start)  # a stop inside the skip ends the request there
+            if k <= 0:
+                continue
+            accepted = 0
+            while accepted < k and greedy[offset + start + accepted - 1] == ids[offset + start + accepted]:
+                accepted += 1
+            K.append(k)
+            L.append(accepted)
+    return K, L
+
+
+def sdd_summary(counters: dict, num_tokens: int, audit: tuple[list, list] | None = None) -> dict:
+    """SUMMARY.json's SDD fields (the reference engine's names) from the engine's counters."""
+    from vllm_prove.core.metrics import full_prefix_acceptance, strict_token_agreement
+
+    out = {"verifier_calls": counters["verifier_calls"], "draft_blocks": counters["draft_blocks"],
+           "verifier_calls_per_token": round(counters["verifier_calls"] / max(1, num_tokens), 4),
+           "draft_blocks_per_token": round(counters["draft_blocks"] / max(1, num_tokens), 4),
+           "skipped_rounds": counters["skipped_rounds"], "skipped_tokens": counters["skipped_tokens"]}
+    out |= {k: counters[k] for k in ("strict_token", "full_prefix") if k in counters}
+    if audit is not None and audit[0]:
+        out |= {"strict_token": round(strict_token_agreement(*audit), 4),
+                "full_prefix": round(full_prefix_acceptance(*audit), 4)}
+    return out
 
 
 def parallel_draft_flags(cfg: DecodeConfig) -> dict:
@@ -145,8 +213,8 @@ def summarize(cfg: DecodeConfig, results: list[RequestResult], run: dict, spec=N
     out = {"method": cfg.method.value, "engine": "vllm", "num_tokens": num_tokens, "seconds": round(seconds, 4),
            "tokens_per_s": round(num_tokens / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
            "committed_per_cycle": round(num_tokens / cycles, 4) if cycles else 0.0,
-           "batch_size": cfg.batch_size, "block_size": cfg.block_size, "dtype": cfg.dtype,
-           "passes": {"engine_steps": run["engine_steps"]}}
+           "batch_size": cfg.batch_size, "dtype": cfg.dtype, "passes": {"engine_steps": run["engine_steps"]}}
+    out |= {"gamma": cfg.gamma, "steps": cfg.steps} if cfg.method.diffusion else {"block_size": cfg.block_size}
     out |= {"theta": cfg.theta, "gate": cfg.gate.value} if cfg.method is Method.PROVE else {}
     out |= {"tau": cfg.tau} if cfg.method is Method.MARS else {}
     out |= {"k": cfg.k} if cfg.method is Method.SD else {}
@@ -169,7 +237,18 @@ def generate(cfg: DecodeConfig, prompts: list[str]) -> tuple[list[RequestResult]
         from vllm_prove.engine import metrics
 
         before = metrics.from_engine_metrics(llm.get_metrics())
+        diffusion = cfg.method.diffusion and sdd_counters(llm, reset=True) is not None
         results, run = drive(llm, prompts, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens), cfg.batch_size)
         spec = metrics.from_engine_metrics(llm.get_metrics()) - before
-    return results, summarize(cfg, results, run, spec)
+        counters = sdd_counters(llm) if diffusion else None
+    summary = summarize(cfg, results, run, spec)
+    if counters is not None:
+        audit = None
+        if counters["skips"]:  # skipped rounds: what strict verification would have accepted
+            from transformers import AutoModelForCausalLM
+
+            target = AutoModelForCausalLM.from_pretrained(cfg.proposer or zoo_path("proposer"), dtype="float32").eval()
+            audit = audit_skips(target, results, counters["skips"])
+        summary |= sdd_summary(counters, summary["num_tokens"], audit)
+    return results, summary
 

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 ZOO = Path(__file__).resolve().parents[2] / "vllm_prove" / "zoo" / "models"
 PROPOSER = str(ZOO / "proposer")
 VERIFIER = str(ZOO / "verifier")
+DRAFTER = str(ZOO / "drafter")
 BLOCK_SIZE = 8  # B: the zoo's proposer was trained with B = 8
 THETA = 0.1  # the verifier-mode threshold
 TAU = 0.3  # MARS: the zoo proposer's mask confidences rarely reach 0.95; 0.3 commits blocks

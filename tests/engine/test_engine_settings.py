@@ -12,7 +12,7 @@ import textwrap
 from importlib.metadata import entry_points
 
 import pytest
-from engine_support import PROPOSER, VERIFIER, prove_config
+from engine_support import DRAFTER, PROPOSER, VERIFIER, prove_config
 
 from vllm_prove.engine import SUPPORTED_VLLM, check_vllm_version
 
@@ -275,6 +275,39 @@ def test_adaptive_depth_is_the_default_where_built_and_fixed_depth_keeps_vllms_s
 def test_bad_adaptive_settings_stop_start_up_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _config_summary(**kwargs)
+
+
+@pytest.mark.cpu_only
+def test_sdd_mode_loads_the_drafter_as_vllms_draft_model_under_its_scheduler():
+    sdd = _config_summary(additional_config={"prove": {"mode": "sdd", "drafter": DRAFTER, "block_size": 16}})
+    assert (sdd["method"], sdd["draft"], sdd["k"], sdd["parallel"]) == ("draft_model", DRAFTER, 16, False)
+    assert sdd["scheduler"] == "vllm_prove.engine.diffusion.SDDScheduler"
+    assert sdd["prove"]["mask_token_id"] == 1 and sdd["prove"]["adaptive"] is None  # the drafter's mask id
+
+
+@pytest.mark.parametrize(("settings", "edit", "message"), [
+    ({}, None, r"drafter: mode='sdd' needs the diffusion drafter's folder"),
+    ({"drafter": DRAFTER, "block_size": 4, "steps": 5}, None, r"steps \(5\) must be <= block_size \(4"),
+    ({"drafter": DRAFTER, "adaptive": True}, None, r"adaptive: mode='sdd' speculates a fixed window"),
+    ({"drafter": DRAFTER, "rule": "skip", "signal": "marginal"}, None, r"survival: signal 'marginal' needs"),
+    ({"drafter": DRAFTER, "rule": "fastest"}, None, r"additional_config\['prove'\] is invalid.*\nrule\n"),
+    ({"drafter": DRAFTER, "eta_b": 1.5}, None, r"additional_config\['prove'\] is invalid.*\neta_b\n"),
+    ({"drafter": DRAFTER, "mask_token_id": 7}, None,
+     r"^diffusion drafter: mask token ids disagree: given = 7, drafter config mask_token_id = 1"),
+    ({}, lambda c: c.update(diffusion_drafter={"kind": "full", "logits_shift": True}),
+     r"^drafter: .* is a 'full' diffusion drafter .* only the KV-cached 'block' kind runs"),
+    ({}, lambda c: c.update(vocab_size=5000), r"^drafter: vocabulary size 5000 .* != 4096"),
+])
+def test_bad_sdd_settings_stop_start_up_naming_the_field(tmp_path, settings, edit, message):
+    if edit is not None:
+        settings = settings | {"drafter": _model_copy(tmp_path, DRAFTER, "drafter", edit)}
+    with pytest.raises(ValueError, match=message):
+        _config_summary(additional_config={"prove": {"mode": "sdd", **settings}})
+
+
+def test_sdd_refuses_async_scheduling():
+    with pytest.raises(ValueError, match=r"^async_scheduling: mode 'sdd' commits skipped tokens"):
+        _config_summary(additional_config={"prove": {"mode": "sdd", "drafter": DRAFTER}}, async_scheduling=True)
 
 
 def test_gate_support_is_read_off_sampling_params():

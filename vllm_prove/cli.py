@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     surv.add_argument("--epochs", type=int, default=15)
     surv.add_argument("--out", required=True, help="folder for marginal.pt / conditional.pt and report.json")
     sweep = sub.add_parser("sweep", help="parameter sweeps").add_subparsers(dest="sweep_cmd", required=True)
-    sdd_sweep = sweep.add_parser("sdd", help="the SDD-skipping paper's grids on the reference engine, with frontier plots")
+    sdd_sweep = sweep.add_parser("sdd", help="the SDD-skipping paper's grids (reference engine or vLLM), with frontier plots")
     sdd_sweep.add_argument("--prompts", help="evaluation prompts (default: the zoo's held-out prompts)")
     sdd_sweep.add_argument("--num-prompts", type=int, default=64)
     sdd_sweep.add_argument("--num-train-prompts", type=int, default=128,
@@ -285,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     sdd_sweep.add_argument("--drafter", help="diffusion drafter (default: the zoo's)")
     sdd_sweep.add_argument("--families", nargs="+", choices=["lenience", "topk", "raw", "marginal", "conditional"])
     sdd_sweep.add_argument("--quick", action="store_true", help="every third setting of each grid")
+    sdd_sweep.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                           help="vllm: every setting on its own vLLM engine (mode sdd), --batch-size requests in flight")
     sdd_sweep.add_argument("--out", default="runs/sweep-sdd")
     analyze = sub.add_parser("analyze", help="diagnostics").add_subparsers(dest="analyze_cmd", required=True)
     perm = analyze.add_parser("permutation", help="permutation diagnostic of a skip signal (docs/METHODS.md §7)")
@@ -345,7 +347,12 @@ def cmd_sweep(args) -> int:
                               "steps": args.steps, "proposer": args.proposer, "drafter": args.drafter}.items()
             if v is not None}
     families = args.families or list(GRIDS)
-    report = run_sweep(prompts, train_prompts, out_dir=args.out, families=families, base=base, quick=args.quick)
+    if args.engine == "vllm":
+        from vllm_prove.engine.generate import prepare_environment
+
+        prepare_environment()
+    report = run_sweep(prompts, train_prompts, out_dir=args.out, families=families, base=base, quick=args.quick,
+                       engine=args.engine)
     print(f"{'family':<12} {'setting':<44} {'quality':>8} {'rel calls':>9} {'StrictTok':>9} {'tok/s':>8}")
     for r in report["runs"]:
         setting = ", ".join(f"{k}={v}" for k, v in r["setting"].items() if k != "method")

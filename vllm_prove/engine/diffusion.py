@@ -180,20 +180,25 @@ class DiffusionProposer(DraftModelProposer):
                      counted: torch.Tensor) -> DraftBlock:
         """Verifier skipping: rows the policy lets skip commit ``x_1..x_K^`` and draft again."""
         batch = block.draft_token_ids.shape[0]
+        policy = self.policy
+        if self.scorer is None:  # raw confidence: most steps end here, before any per-request work
+            K_hat = policy.feasible_prefix(block.confidence, block.num_draft_tokens)  # [batch]
+            if not bool(((K_hat > 0) & (K_hat >= policy.K_min) & counted).any()):
+                return block
         eligible = counted & torch.tensor([request_gate_serves(self._runner.requests[r])
                                            for r in self._runner.input_batch.req_ids[:batch]], device=self.device)
         drafts = block.draft_token_ids.clone()  # [batch, gamma]: what each row hands the target
         rows = torch.nonzero(eligible).view(-1)  # rows still deciding
         cur, start = _take(block, rows), start[rows]
         generated = self._generated(counted)[rows]
-        max_tokens = torch.as_tensor(self._max_tokens(batch), device=self.device).expand(batch)[rows]
+        max_tokens = self._max_tokens(batch)[rows]
         unverified = torch.zeros_like(rows)  # D
         while rows.numel():
             scores = cur.confidence if self.scorer is None else self.scorer(cur)  # [rows, gamma]
-            K_hat = self.policy.feasible_prefix(scores, cur.num_draft_tokens)  # [rows]
+            K_hat = policy.feasible_prefix(scores, cur.num_draft_tokens)  # [rows]
             guards = guard_flags(cur.draft_token_ids, scores, K_hat, self.special, max_tokens - generated,
                                  num_draft_tokens=cur.num_draft_tokens)
-            decision = self.policy.decide(K_hat, unverified, guards)
+            decision = policy.decide(K_hat, unverified, guards)
             drafts[rows] = cur.draft_token_ids
             skip = decision.skip
             if not bool(skip.any()):

@@ -21,6 +21,7 @@ from vllm_prove.core.adaptive import summary_delta
 from vllm_prove.reference.runner import RequestResult, zoo_path
 from vllm_prove.errors import ProveError
 
+WARMUP_TOKENS = 8  # one untimed request before a timed run
 # vLLM's CPU backend refuses to start without a KV-cache budget (GiB); GPUs size it themselves.
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
@@ -227,7 +228,8 @@ def summarize(cfg: DecodeConfig, results: list[RequestResult], run: dict, spec=N
 
 
 def generate(cfg: DecodeConfig, prompts: list[str]) -> tuple[list[RequestResult], dict]:
-    """Decode ``prompts`` greedily with ``cfg`` on a fresh vLLM engine (the CLI's path)."""
+    """Decode ``prompts`` greedily with ``cfg`` on a fresh vLLM engine (the CLI's path), after
+    one untimed warm-up request."""
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ProveError(f"prompt {i} is empty: nothing to condition on")
@@ -236,6 +238,8 @@ def generate(cfg: DecodeConfig, prompts: list[str]) -> tuple[list[RequestResult]
 
         from vllm_prove.engine import metrics
 
+        # warm-up: the first request of a fresh engine pays one-off costs that are not decoding
+        llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS), use_tqdm=False)
         before = metrics.from_engine_metrics(llm.get_metrics())
         diffusion = cfg.method.diffusion and sdd_counters(llm, reset=True) is not None
         results, run = drive(llm, prompts, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens), cfg.batch_size)

@@ -70,6 +70,9 @@ ENGINE_RUNS = [
     EngineRun("prove theta=0.01", {"method": Method.PROVE, "theta": 0.01}),
     EngineRun("prove-lossless", {"method": Method.PROVE_LOSSLESS, **FIXED}),
     EngineRun("prove-lossless adaptive", {"method": Method.PROVE_LOSSLESS}),
+    # speculative diffusion decoding: the zoo's diffusion drafter for the proposer as the AR target
+    EngineRun("sdd", {"method": Method.SDD}),
+    EngineRun("sdd-skip raw", {"method": Method.SDD_SKIP}),
 ]
 BF16_RUNS = [
     EngineRun("ar bf16", {"method": Method.AR, "dtype": "bfloat16"}),
@@ -223,7 +226,11 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
                 reps = []  # (results, driven, spec) per repeat, back to back on this engine
                 for _ in range(repeats):
                     before = metrics.from_engine_metrics(llm.get_metrics())
+                    if cfg.method.diffusion:
+                        engine_gen.sdd_counters(llm, reset=True)
                     results, driven = engine_gen.drive(llm, prompts, params, n)
+                    if cfg.method.diffusion:
+                        driven["sdd"] = engine_gen.sdd_counters(llm)
                     reps.append((results, driven, metrics.from_engine_metrics(llm.get_metrics()) - before))
                     bar.update()
                 speeds = [sum(len(r.token_ids) for r in res) / d["seconds"] for res, d, _ in reps]
@@ -236,8 +243,10 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
                 tokens = [r.token_ids for r in results]
                 if cfg.method is Method.AR:
                     reference[(cfg.dtype, n)] = tokens
-                ideal = ideal_speedup(max(1.0, summary["committed_per_cycle"]),
-                                      cycle_cost(cfg.method, cfg.k, cost(cfg.block_size, n)))
+                if cfg.method.diffusion:  # SUMMARY.json's SDD fields; no cost model for the drafter's passes
+                    summary |= engine_gen.sdd_summary(driven["sdd"], summary["num_tokens"])
+                ideal = None if cfg.method.diffusion else ideal_speedup(
+                    max(1.0, summary["committed_per_cycle"]), cycle_cost(cfg.method, cfg.k, cost(cfg.block_size, n)))
                 ratio = ratios[len(ratios) // 2] if ratios else None
                 ar_ref = reference.get((cfg.dtype, n))
                 row = {"label": run.label, "in_flight": n, "dtype": cfg.dtype, **summary,
@@ -247,8 +256,8 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
                        "same_as_ar": round(same_as_reference_share(tokens, ar_ref), 4) if ar_ref else None,
                        "off_argmax": round(off_argmax_share(proposer, results), 4),
                        "ms_per_step": round(1000 * driven["seconds"] / max(1, driven["engine_steps"]), 2),
-                       "ideal_speedup": round(ideal, 3),
-                       "efficiency": None if ratio is None else round(ratio / ideal, 3)}
+                       "ideal_speedup": None if ideal is None else round(ideal, 3),
+                       "efficiency": None if ratio is None or ideal is None else round(ratio / ideal, 3)}
                 run_rows.append(row)
             peak, capacity = engine_peak_rss_mb(), kv_capacity_tokens(llm)
         for row in run_rows:

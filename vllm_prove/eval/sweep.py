@@ -1,4 +1,5 @@
-"""`vllm-prove sweep sdd`: the SDD-skipping paper's grids (appendix A.6) on the reference engine.
+"""`vllm-prove sweep sdd`: the SDD-skipping paper's grids (appendix A.6), on the reference engine
+or inside vLLM (`--engine vllm`: one engine per setting, mode `sdd`).
 
 One process runs, on the same held-out prompts: AR, strict SDD, every lenience / top-k setting,
 verifier skipping with each signal over its threshold grid, and the K_min sweep. Learned signals
@@ -46,17 +47,23 @@ def quality_proxy(results, ar_outputs: list[list[int]]) -> float:
 
 
 def run_sweep(prompts: list[str], train_prompts: list[str], *, out_dir: str | Path, families: list[str],
-              base: dict, quick: bool = False) -> dict:
+              base: dict, quick: bool = False, engine: str = "reference") -> dict:
     """Every family's grid (a third of each when `quick`) plus the K_min sweep; see the module doc."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     models = load_models(DecodeConfig(method=Method.SDD, **base))
-    for method in (Method.AR, Method.SDD):  # speed probe: warm every path before anything is timed (§8)
-        generate(DecodeConfig(**{**base, "method": method, "max_tokens": 8}), prompts[:2], models)
-    ar, ar_summary = generate(DecodeConfig(method=Method.AR, **base), prompts, models)
+    if engine == "vllm":  # a fresh engine per setting (mode sdd reads its settings at start-up)
+        from vllm_prove.engine.generate import generate as engine_generate
+
+        decode = lambda cfg, ps: engine_generate(cfg, ps)  # noqa: E731
+    else:
+        decode = lambda cfg, ps: generate(cfg, ps, models)  # noqa: E731
+        for method in (Method.AR, Method.SDD):  # speed probe: warm every path before anything is timed (§8)
+            decode(DecodeConfig(**{**base, "method": method, "max_tokens": 8}), prompts[:2])
+    ar, ar_summary = decode(DecodeConfig(method=Method.AR, **base), prompts)
     ar_outputs = [r.token_ids for r in ar]
-    strict, strict_summary = generate(DecodeConfig(method=Method.SDD, **base), prompts, models)
-    report = {"settings": base, "num_prompts": len(prompts), "ar": ar_summary,
+    strict, strict_summary = decode(DecodeConfig(method=Method.SDD, **base), prompts)
+    report = {"settings": base, "engine": engine, "num_prompts": len(prompts), "ar": ar_summary,
               "strict": strict_summary | {"quality": quality_proxy(strict, ar_outputs)}, "runs": []}
     if any(f in LEARNED for f in families):
         report["survival"] = _train_predictors(train_prompts, models, base, out / "survival")
@@ -65,14 +72,15 @@ def run_sweep(prompts: list[str], train_prompts: list[str], *, out_dir: str | Pa
     for family, setting in tqdm(runs, desc="sdd sweep", mininterval=2.0):
         extra = {"survival": str(out / "survival")} if setting.get("signal") in (SkipSignal.MARGINAL,
                                                                                   SkipSignal.CONDITIONAL) else {}
-        res, summary = generate(DecodeConfig(**base, **setting, **extra), prompts, models)
+        res, summary = decode(DecodeConfig(**base, **setting, **extra), prompts)
         rel_calls = summary["verifier_calls_per_token"] / strict_summary["verifier_calls_per_token"]
         report["runs"].append({"family": family, "setting": {k: getattr(v, "value", v) for k, v in setting.items()},
                                "quality": round(quality_proxy(res, ar_outputs), 4),
                                "relative_verifier_calls": round(rel_calls, 4),
                                "speedup_vs_strict": round(summary["tokens_per_s"] / strict_summary["tokens_per_s"], 4),
                                "summary": summary})
-    report["permutation"] = _permutation(strict, base)
+    if engine == "reference":  # per-round scores: the reference engine's records
+        report["permutation"] = _permutation(strict, base)
     (out / "sweep.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     plot_frontiers(report, out)
     return report
@@ -129,7 +137,7 @@ def plot_frontiers(report: dict, out: Path) -> None:
     for name, xkey, ykey, minimize_x, xlabel, ylabel in (
             ("frontier_calls", "relative_verifier_calls", "quality", True,
              "verifier calls per token (relative to strict SDD)", "quality proxy (tokens kept from greedy AR)"),
-            ("frontier_speed", "strict_token", "tokens_per_s", False, "StrictToken", "tokens/s (reference engine)")):
+            ("frontier_speed", "strict_token", "tokens_per_s", False, "StrictToken", f"tokens/s ({report.get('engine', 'reference')} engine)")):
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for family in sorted({r["family"] for r in report["runs"]}):
             pts = [(_value(r, xkey), _value(r, ykey)) for r in report["runs"] if r["family"] == family]

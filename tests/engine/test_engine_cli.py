@@ -35,8 +35,13 @@ def _generate(prompt_file, tmp_path, method: str, *extra: str) -> tuple[list[dic
     return [json.loads(line) for line in out.read_text().splitlines()], json.loads(summary.read_text())
 
 
-def test_generate_vllm_contract_and_lossless_equals_ar(prompt_file, tmp_path):
-    ar_rows, ar = _generate(prompt_file, tmp_path, "ar")
+@pytest.fixture(scope="module")
+def ar_run(prompt_file, tmp_path_factory):
+    return _generate(prompt_file, tmp_path_factory.mktemp("ar"), "ar")
+
+
+def test_generate_vllm_contract_and_lossless_equals_ar(prompt_file, tmp_path, ar_run):
+    ar_rows, ar = ar_run
     ll_rows, ll = _generate(prompt_file, tmp_path, "prove-lossless")
     for rows in (ar_rows, ll_rows):
         assert [r["index"] for r in rows] == list(range(NUM_PROMPTS))
@@ -58,6 +63,20 @@ def test_generate_vllm_contract_and_lossless_equals_ar(prompt_file, tmp_path):
     assert ll["adaptive"] is True and ll["adaptive_depth"]["steps"] > 0  # the default: adaptive depth
 
 
+def test_generate_vllm_runs_the_sdd_methods(prompt_file, tmp_path, ar_run):
+    """Strict SDD inside vLLM is greedy AR; skipping (permissive thresholds) commits tokens the
+    target never verified, and SUMMARY.json counts and audits them."""
+    ar_rows, _ = ar_run
+    rows, sdd = _generate(prompt_file, tmp_path, "sdd")
+    assert [r["token_ids"] for r in rows] == [r["token_ids"] for r in ar_rows]
+    assert sdd["gamma"] == 16 and sdd["committed_per_cycle"] > 1.0 and sdd["skipped_rounds"] == 0
+    assert 0 < sdd["verifier_calls"] <= sdd["cycles"] and sdd["draft_blocks"] >= sdd["verifier_calls"]
+    _, skip = _generate(prompt_file, tmp_path, "sdd-skip", "--k-min", "2", "--eta-b", "0.5", "--eta-c", "0.6")
+    assert skip["skipped_rounds"] > 0 and skip["skipped_tokens"] >= 2 * skip["skipped_rounds"]
+    assert skip["verifier_calls_per_token"] < sdd["verifier_calls_per_token"]
+    assert 0.0 <= skip["strict_token"] <= 1.0 and 0.0 <= skip["full_prefix"] <= 1.0  # the after-run audit
+
+
 def test_generate_vllm_rejects_reference_only_flag(prompt_file, tmp_path, capsys):
     rc = cli.main(["generate", "--engine", "vllm", "--method", "ar", "--prompts", str(prompt_file),
                    "--max-tokens", "4", "--out", str(tmp_path / "o.jsonl"), "--track-ar-match"])
@@ -66,7 +85,7 @@ def test_generate_vllm_rejects_reference_only_flag(prompt_file, tmp_path, capsys
 
 def test_engine_bench_rows_memory_and_plot(tmp_path):
     runs = [r for r in engine_bench.ENGINE_RUNS if r.label in ("ar", "parallel-draft", "prove theta=0.1",
-                                                                "prove-lossless", "prove-lossless adaptive")]
+                                                                "prove-lossless", "prove-lossless adaptive", "sdd")]
     lines = []
     report = engine_bench.run_engine_bench(heldout_prompts()[:6], max_tokens=16, in_flight=(1, 4), runs=runs,
                                            repeats=2, out_dir=tmp_path, log=lines.append)
@@ -78,6 +97,8 @@ def test_engine_bench_rows_memory_and_plot(tmp_path):
         depth = adaptive["adaptive_depth"]  # this run's decisions only (not the engine's earlier ones)
         assert depth["policy"] == "measured" and 0 < depth["steps"] <= adaptive["passes"]["engine_steps"]
         assert 0.0 <= depth["mean_depth"] <= 8 and set(depth["cost"]) == set(COST_TERMS)
+        sdd = rows["sdd", n]  # strict SDD: greedy AR, its own counters, no cost-model ideal
+        assert sdd["same_as_ar"] == 1.0 and sdd["verifier_calls"] > 0 and sdd["ideal_speedup"] is None
         assert "adaptive_depth" not in rows["prove-lossless", n]
         # two repeats: the median of the per-repeat ratios, inside their spread
         for row in rows.values():

@@ -51,6 +51,11 @@ SCALAR_FEATURES = (
 assert len(SCALAR_FEATURES) == NUM_SCALAR_FEATURES
 
 
+def _per_row(value: int | torch.Tensor, batch: int, gamma: int) -> torch.Tensor:  # [batch, gamma] float32
+    """A per-request limit (an int or [batch]) broadcast over the block, at least 1."""
+    return torch.as_tensor(value, dtype=torch.float32).clamp(min=1).reshape(-1, 1).expand(batch, gamma)
+
+
 def reveal_counts(gamma: int, steps: int) -> list[int]:
     """Tokens revealed at each of the `steps` passes: `gamma` split as evenly as possible,
     earlier passes taking the remainder (gamma 32, T 2 -> [16, 16]; gamma 5, T 2 -> [3, 2])."""
@@ -99,7 +104,8 @@ def scalar_features(
     reveal_rank: torch.Tensor,
     # [batch] int64: tokens the request had generated before this block
     generated: torch.Tensor,
-    max_new_tokens: int,
+    # an int for every row, or [batch] int64: each request's max_tokens
+    max_new_tokens: int | torch.Tensor,
     steps: int,
     dataset: str = "code",
 ) -> torch.Tensor:  # [batch, gamma, NUM_SCALAR_FEATURES] float32
@@ -127,7 +133,7 @@ def scalar_features(
         neg_h - neg_h0,
         torch.arange(gamma, dtype=torch.float32)[None].expand(batch, gamma) / gamma,
         gen.log1p(),
-        gen / max(1, max_new_tokens),
+        gen / _per_row(max_new_tokens, batch, gamma),
         torch.full((batch, gamma), float(dataset == "code")),
         torch.full((batch, gamma), float(dataset == "math")),
     ]
@@ -164,7 +170,8 @@ def denoise(
     features: bool = False,
     # [batch] int64: tokens each row generated before this block (a survival feature)
     generated: torch.Tensor | None = None,
-    max_new_tokens: int = 1,
+    # an int, or [batch]: each request's max_tokens (a survival feature)
+    max_new_tokens: int | torch.Tensor = 1,
     dataset: str = "code",
 ) -> DraftBlock:
     """Denoise `gamma` masks in `steps` passes, revealing the most confident masks each pass
@@ -180,7 +187,12 @@ def denoise(
     hidden = stats_at = first = None
     for s, count in enumerate(reveal_counts(gamma, steps)):
         logits, h = pass_fn(tokens, s)  # [batch, gamma, vocab], [batch, gamma, hidden]
-        stats = distribution_stats(torch.softmax(logits.float(), dim=-1))  # each [batch, gamma]
+        probs = torch.softmax(logits.float(), dim=-1)  # [batch, gamma, vocab]
+        if features:
+            stats = distribution_stats(probs)  # each [batch, gamma]
+        else:  # what the reveal needs: the argmax and its probability
+            top = probs.max(dim=-1)
+            stats = {"token": top.indices, "top1_prob": top.values}
         if s == 0:
             first = stats
             stats_at = {k: v.clone() for k, v in stats.items()}

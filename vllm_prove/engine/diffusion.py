@@ -142,7 +142,8 @@ class DiffusionProposer(DraftModelProposer):
         start = self.positions[sample_index].to(torch.int64) + 1  # [batch] position of block token 1
         table = cad.block_table_tensor[: cad.batch_size()]  # [batch, max_blocks]
         counted = self._counted_rows(cad.batch_size())  # [batch] bool: rows whose sample counts
-        block = self._draft(last, start, table, self._generated(counted))
+        lengths = (self._generated(counted), self._max_tokens(cad.batch_size())) if self.scorer is not None else None
+        block = self._draft(last, start, table, lengths)
         if self.policy is not None:
             block = self._skip_rounds(block, start, table, counted)
         self.counters.draft_blocks += int(counted.sum())
@@ -151,9 +152,11 @@ class DiffusionProposer(DraftModelProposer):
     # -- drafting ------------------------------------------------------------------------------
 
     def _draft(self, last: torch.Tensor, start: torch.Tensor, table: torch.Tensor,
-               generated: torch.Tensor) -> DraftBlock:
+               lengths: tuple[torch.Tensor, torch.Tensor] | None) -> DraftBlock:
         """One block per row after the committed prefix ending at ``start - 1`` (``last``: the
-        drafter's hidden state there); ``T`` bidirectional passes over the block's slots."""
+        drafter's hidden state there); ``T`` bidirectional passes over the block's slots. With
+        ``lengths`` (per row: tokens generated so far, max_tokens) the block carries the survival
+        predictors' features."""
         rows, gamma = start.shape[0], self.gamma
         first = (self.model.compute_logits(last), last)  # block token 1 under shifted logits
         positions = (start[:, None] + self._offsets[None, :]).reshape(-1)  # [rows * gamma]
@@ -173,8 +176,10 @@ class DiffusionProposer(DraftModelProposer):
             return logits, h
 
         active = torch.ones(rows, dtype=torch.bool, device=self.device)
-        return denoise(one_pass, active, gamma, self.steps, self.mask_id, features=self.scorer is not None,
-                       generated=generated, max_new_tokens=self._max_tokens(rows), dataset="code")
+        if lengths is None:
+            return denoise(one_pass, active, gamma, self.steps, self.mask_id)
+        return denoise(one_pass, active, gamma, self.steps, self.mask_id, features=True, generated=lengths[0],
+                       max_new_tokens=lengths[1], dataset="code")
 
     def _skip_rounds(self, block: DraftBlock, start: torch.Tensor, table: torch.Tensor,
                      counted: torch.Tensor) -> DraftBlock:
@@ -217,7 +222,7 @@ class DiffusionProposer(DraftModelProposer):
             h = self._forward(x[lengths], positions, prefix_cad)  # [sum K, H]
             last = h[torch.cumsum(K, 0) - 1]  # [rows, H]: at each row's last skipped token
             start = start + K
-            cur = self._draft(last, start, table[rows], generated)
+            cur = self._draft(last, start, table[rows], (generated, max_tokens) if self.scorer is not None else None)
             self.counters.draft_blocks += rows.numel()
         return DraftBlock(drafts, block.num_draft_tokens, block.confidence, block.reveal_step)
 

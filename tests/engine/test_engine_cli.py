@@ -74,7 +74,14 @@ def test_generate_vllm_runs_the_sdd_methods(prompt_file, tmp_path, ar_run):
     _, skip = _generate(prompt_file, tmp_path, "sdd-skip", "--k-min", "2", "--eta-b", "0.5", "--eta-c", "0.6")
     assert skip["skipped_rounds"] > 0 and skip["skipped_tokens"] >= 2 * skip["skipped_rounds"]
     assert skip["verifier_calls_per_token"] < sdd["verifier_calls_per_token"]
-    assert 0.0 <= skip["strict_token"] <= 1.0 and 0.0 <= skip["full_prefix"] <= 1.0  # the after-run audit
+    # the after-run audit of each skipped round is the reference decoder's shadow audit
+    from vllm_prove.config import DecodeConfig
+    from vllm_prove.reference.runner import generate as reference_generate
+
+    cfg = DecodeConfig(method=Method.SDD_SKIP, k_min=2, eta_b=0.5, eta_c=0.6, max_tokens=MAX_TOKENS, batch_size=4)
+    _, ref = reference_generate(cfg, heldout_prompts()[:NUM_PROMPTS])
+    assert (skip["skipped_rounds"], skip["skipped_tokens"]) == (ref["skipped_rounds"], ref["skipped_tokens"])
+    assert (skip["strict_token"], skip["full_prefix"]) == (ref["strict_token"], ref["full_prefix"])
 
 
 def test_generate_vllm_rejects_reference_only_flag(prompt_file, tmp_path, capsys):

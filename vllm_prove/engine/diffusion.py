@@ -95,7 +95,7 @@ class DiffusionProposer(DraftModelProposer):
         self.vocab_limit = vllm_config.model_config.get_vocab_size()
         self._offsets = torch.arange(self.gamma, device=device)  # [gamma]
         self.counters = SDDCounters()
-        self.skipped: dict[int, list[int]] = {}  # batch row -> tokens committed by skips this step
+        self.skipped: dict[int, list[list[int]]] = {}  # batch row -> tokens of each skipped round this step
         self.policy = self.scorer = None
         if settings.rule == "skip":
             from vllm_prove.reference.sdd import SIGNAL_GATES
@@ -210,7 +210,7 @@ class DiffusionProposer(DraftModelProposer):
                 break
             rows, K, x = rows[skip], K_hat[skip], cur.draft_token_ids[skip]  # the skipping rows
             for r, k, tokens in zip(rows.tolist(), K.tolist(), x.tolist()):
-                self.skipped.setdefault(r, []).extend(tokens[:k])
+                self.skipped.setdefault(r, []).append(tokens[:k])
             self.counters.skipped_rounds += rows.numel()
             self.counters.skipped_tokens += int(K.sum())
             # A causal pass over the skipped tokens, then the next block after them.
@@ -292,18 +292,20 @@ class SDDRunnerMixin:
         valid_sampled_token_ids = result[3]
         self._prove_skipped = {}
         batch = self.input_batch
-        for row, tokens in self.drafter.skipped.items():
+        for row, rounds in self.drafter.skipped.items():
             if not valid_sampled_token_ids[row]:
                 continue
             start = int(batch.num_tokens_no_spec[row])
-            tokens = tokens[: max(0, self.max_model_len - start)]
+            tokens = [t for r in rounds for t in r][: max(0, self.max_model_len - start)]
             end = start + len(tokens)
             batch.token_ids_cpu[row, start:end] = tokens
             batch.is_token_ids[row, start:end] = True
             batch.num_tokens_no_spec[row] = end
             req_id = batch.req_ids[row]
-            self.drafter.counters.skips.append((external_id(req_id), len(self.requests[req_id].output_token_ids),
-                                                len(tokens)))
+            at = len(self.requests[req_id].output_token_ids)
+            for r in rounds:  # one audit entry per skipped round
+                self.drafter.counters.skips.append((external_id(req_id), at, len(r)))
+                at += len(r)
             self.requests[req_id].output_token_ids.extend(tokens)
             valid_sampled_token_ids[row].extend(tokens)
             self._prove_skipped[req_id] = len(tokens)

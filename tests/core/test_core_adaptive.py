@@ -223,6 +223,9 @@ def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     assert {k for p in (gated.decide(["a"]) for _ in range(50)) for k in p.depths.values()} == {0, 7}
     with pytest.raises(ValueError, match="policy"):
         DepthController(4, PAR, policy="greedy")
+    plain = DepthController(4, PAR, policy="plain")  # the diagnostic: no drafts, even in the probe
+    plans = [plain.decide(["a", "b"]) for _ in range(20)]
+    assert {p.draft_depth for p in plans} == {0} and {k for p in plans for k in p.depths.values()} == {0}
 
 
 def test_batched_records_equal_one_by_one_records():

@@ -294,13 +294,14 @@ class DepthController:
     step shape it would otherwise choose forever, at the price of one slightly-off step in 32.
     The fit, and with it the choice for an unchanged set of requests, is refreshed every
     ``refit_every`` steps (one engine step must not wait for either).
-    ``policy="random"`` draws every depth at random (the exactness tests' schedule driver).
+    ``policy="random"`` draws every depth at random (the exactness tests' schedule driver);
+    ``policy="plain"`` decodes plainly every step (a diagnostic: the engine's cost without drafts).
     ``allowed`` restricts the depths (a window-or-none mode: ``allowed=(B,)``)."""
 
     def __init__(self, max_depth: int, kind: DraftKind, policy: str = "measured", allowed: tuple[int, ...] | None = None,
                  explore_every: int = 32, refit_every: int = 8, seed: int = 0) -> None:
-        if policy not in ("measured", "random"):
-            raise ValueError(f"policy must be 'measured' or 'random', got {policy!r}")
+        if policy not in ("measured", "random", "plain"):
+            raise ValueError(f"policy must be 'measured', 'random' or 'plain', got {policy!r}")
         self.max_depth, self.kind, self.policy = max_depth, DraftKind(kind), policy
         self.choices = sorted({0, *(allowed if allowed is not None else range(max_depth + 1))})
         if self.choices[-1] > max_depth:
@@ -336,6 +337,8 @@ class DepthController:
         if not request_ids:  # a prefill-only step: its requests draft for the next one as usual
             return Decision({}, self._last_draft_depth if self.policy == "measured" else self.choices[-1], False)
         step, self.steps = self.steps, self.steps + 1
+        if self.policy == "plain":
+            return Decision(dict.fromkeys(request_ids, 0), 0, False)
         if self.policy == "random":
             d = self._rng.choice(self.choices)
             return Decision({r: self._rng.choice([k for k in self.choices if k <= d]) for r in request_ids}, d, True)

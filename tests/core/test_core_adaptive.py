@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_prove.core.adaptive import (AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
-                                      StepShape, choose_depths, expected_committed, summary_delta)
+                                      StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
 
@@ -268,3 +268,37 @@ def test_pinned_requests_keep_the_full_depth_under_any_policy():
     assert ctrl.decide([], pinned=frozenset({"new"})).draft_depth == 8
     rnd = DepthController(4, PAR, policy="random", seed=0)
     assert all(rnd.decide(["a", "b"], pinned=frozenset({"a"})).depths == {"a": 4, "b": 4} for _ in range(50))
+
+
+def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
+    guard = ThroughputGuard(min_steps=4, retry_every=4, margin=0.02)
+    for _ in range(3):
+        guard.observe(32, False, 32, 0.010)  # plain: 3200 tok/s at 32 running
+        guard.observe(32, True, 40, 0.016)  # speculative: 2500 tok/s
+    assert guard.rate(32, False) is None and not guard.plain_wins(32)  # too few steps to judge
+    guard.observe(32, False, 32, 0.010)
+    guard.observe(32, True, 40, 0.016)
+    assert guard.rate(32, False) == pytest.approx(3200) and guard.rate(32, True) == pytest.approx(2500)
+    assert [guard.plain_wins(32) for _ in range(8)] == [True, True, True, False] * 2  # every 4th retries
+    assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
+    assert not guard.plain_wins(1)  # another load: nothing measured there
+    for _ in range(30):  # speculation becomes the faster mode (recent steps weigh most)
+        guard.observe(32, True, 80, 0.016)
+    assert not guard.plain_wins(32)
+    assert guard.summary()["32"]["speculative"]["steps"] == 34
+
+
+def test_controller_decodes_plainly_where_the_realized_rate_says_so():
+    """The cost fit believes speculation pays (a step costs what the linear model says), but the
+    engine realizes fewer tokens per second on speculative steps than on plain ones: the guard
+    turns the load plain, retrying speculation now and then."""
+    ctrl = DepthController(4, PAR, explore_every=1000)
+    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
+    _feed(ctrl, cost, 0.9, 30, ["a", "b"])
+    assert ctrl.decide(["a", "b"]).draft_depth > 0
+    for _ in range(8):
+        ctrl.guard.observe(2, False, 2, 0.001)  # 2000 tok/s realized plain
+        ctrl.guard.observe(2, True, 6, 0.010)  # 600 tok/s realized speculative
+    plans = [ctrl.decide(["a", "b"]) for _ in range(32)]
+    plain = sum(p.draft_depth == 0 and set(p.depths.values()) == {0} for p in plans)
+    assert 26 <= plain <= 31  # plain, but for the retries

@@ -274,6 +274,56 @@ class AcceptanceTracker:
         return (s + self.prior * pop) / (n + self.prior)
 
 
+class ThroughputGuard:
+    """A model-free check on the fitted policy: per load (running requests, in power-of-two
+    buckets), the committed tokens per second the engine *realized* on plain steps and on
+    speculative steps (exponentially weighted sums of tokens and seconds). Where plain steps have
+    been faster by more than `margin`, `plain_wins` tells the controller to decode plainly; one
+    step in `retry_every` of that bucket still speculates, so the speculative figure keeps up
+    with a change. Only decode steps count (no prefill chunk in them). A cost model that
+    misjudges the engine (a per-step cost it has no term for) thus cannot keep a load slower
+    than plain decoding for long."""
+
+    def __init__(self, decay: float = 0.9, margin: float = 0.02, min_steps: int = 4, retry_every: int = 16) -> None:
+        self.decay, self.margin, self.min_steps, self.retry_every = decay, margin, min_steps, retry_every
+        self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
+        self._forced: Counter = Counter()  # bucket -> plain decisions forced so far
+
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        return max(1, num_requests).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | ...
+
+    def observe(self, num_requests: int, speculative: bool, committed: int, seconds: float) -> None:
+        if seconds <= 0 or num_requests <= 0:
+            return
+        sums = self._sums.setdefault((self.bucket(num_requests), speculative), [0.0, 0.0, 0])
+        sums[0] = self.decay * sums[0] + committed
+        sums[1] = self.decay * sums[1] + seconds
+        sums[2] += 1
+
+    def rate(self, num_requests: int, speculative: bool) -> float | None:
+        """Realized committed tokens per second at this load, or None before `min_steps` steps."""
+        sums = self._sums.get((self.bucket(num_requests), speculative))
+        return sums[0] / sums[1] if sums is not None and sums[2] >= self.min_steps else None
+
+    def plain_wins(self, num_requests: int) -> bool:
+        """Whether this load should decode plainly now (False on a retry step)."""
+        plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
+        if plain is None or spec is None or plain <= spec * (1 + self.margin):
+            return False
+        bucket = self.bucket(num_requests)
+        self._forced[bucket] += 1
+        return self._forced[bucket] % self.retry_every != 0
+
+    def summary(self) -> dict:
+        out = {}
+        for (bucket, speculative), (tokens, seconds, steps) in sorted(self._sums.items()):
+            entry = out.setdefault(str(2 ** (bucket - 1)), {})
+            entry["speculative" if speculative else "plain"] = {"tok_per_s": round(tokens / seconds, 1),
+                                                                "steps": steps}
+        return out
+
+
 @dataclass
 class Decision:
     """One step's plan: each request's verify depth ``K_r`` (at most the drafts it holds) and the
@@ -313,6 +363,7 @@ class DepthController:
         self.explore_every, self.refit_every = explore_every, refit_every
         self.tracker = AcceptanceTracker(max_depth=max(max_depth, 1))
         self.costs = StepCostModel()
+        self.guard = ThroughputGuard()
         self.steps = 0
         self.depth_counts: Counter = Counter()  # K_r over every (request, step) decided
         self.draft_depth_counts: Counter = Counter()
@@ -361,6 +412,8 @@ class DepthController:
             depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
         _, depths, d = self._cached
+        if d > 0 and self.guard.plain_wins(len(request_ids)):  # realized: plain decoding is faster here
+            return Decision(dict.fromkeys(request_ids, 0), 0, False)
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
 
@@ -369,8 +422,13 @@ class DepthController:
         self.draft_depth_counts[decision.draft_depth] += 1
         return decision
 
-    def observe_step(self, shape: StepShape, seconds: float) -> None:
+    def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None) -> None:
+        """A step's shape and duration (the cost fit); with `committed` (tokens the step's decoding
+        requests committed; None for a step with a prefill chunk) also the throughput guard."""
         self.costs.update(shape, seconds)
+        if committed is not None:
+            speculative = shape.spec_requests > 0 or shape.draft_passes > 0
+            self.guard.observe(shape.requests, speculative, committed, seconds)
 
     def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         self.observe_verifications([request_id], [num_draft_tokens], [num_accepted])
@@ -396,6 +454,7 @@ class DepthController:
             "draft_depths": {str(k): int(v) for k, v in sorted(self.draft_depth_counts.items())},
             "cost": None if cost is None else {name: getattr(cost, name) for name in COST_TERMS},
             "acceptance": [round(a, 4) for a in self.tracker.population().tolist()],
+            "realized": self.guard.summary(),
         }
 
 
@@ -404,7 +463,7 @@ def summary_delta(before: dict | None, after: dict) -> dict:
     own share), with the mean verify depth and the share of plain (depth-0) request steps, and
     the cost estimates as of ``after``."""
     out = {"policy": after["policy"], "steps": after["steps"] - (before or {}).get("steps", 0), "cost": after["cost"],
-           "overhead_ms": after.get("overhead_ms")}
+           "overhead_ms": after.get("overhead_ms"), "realized": after.get("realized")}
     for key in ("depths", "draft_depths"):
         earlier = (before or {}).get(key, {})
         hist = {k: v - earlier.get(k, 0) for k, v in after[key].items()}

@@ -115,9 +115,13 @@ class AdaptiveScheduler(Scheduler):
         if total and self._plan is not None:
             requests = len(scheduler_output.num_scheduled_tokens)
             num_spec = sum(len(d) for d in spec.values())
+            extra_rows = total - requests - num_spec  # prefill chunks
             shape = StepShape.of(requests, num_spec, scheduler_output.num_spec_tokens_to_schedule, self.depth.kind,
-                                 extra_rows=total - requests - num_spec, spec_requests=sum(1 for d in spec.values() if d))
-            self.depth.observe_step(shape, time.perf_counter() - self._step_start)
+                                 extra_rows=extra_rows, spec_requests=sum(1 for d in spec.values() if d))
+            committed = None
+            if extra_rows == 0 and sampled:  # a decode step: what it committed feeds the throughput guard
+                committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
+            self.depth.observe_step(shape, time.perf_counter() - self._step_start, committed)
             self._maybe_log()
         self._plan = None
         self._own_seconds += time.perf_counter() - start

@@ -179,12 +179,15 @@ def _feed(ctrl, truth, accept, steps, requests):
     for _ in range(steps):
         plan = ctrl.decide(requests)
         verify = {r: min(k, held[r]) for r, k in plan.depths.items()}
+        committed = len(requests)
         for r, k in verify.items():
             if k:
-                ctrl.observe_verification(r, k, next((j for j in range(k) if rng.random() >= accept), k))
+                accepted = next((j for j in range(k) if rng.random() >= accept), k)
+                ctrl.observe_verification(r, k, accepted)
+                committed += accepted
         shape = StepShape.of(len(requests), sum(verify.values()), plan.draft_depth, ctrl.kind,
                              spec_requests=sum(1 for k in verify.values() if k))
-        ctrl.observe_step(shape, truth(shape))
+        ctrl.observe_step(shape, truth(shape), committed)
         held = {r: plan.draft_depth for r in requests}
     return ctrl
 
@@ -213,8 +216,11 @@ def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     ctrl = DepthController(4, PAR, explore_every=5)
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     _feed(ctrl, cost, 0.9, 30, ["a", "b"])
-    explored = [ctrl.decide(["a"]).explored for _ in range(10)]  # steps 30..39
+    explored = [ctrl.decide(["a", "b"]).explored for _ in range(10)]  # steps 30..39
     assert explored == [s % 5 == 0 for s in range(30, 40)]
+    # a load whose plain rate the guard has not measured gets a plain step every 8th step
+    plans = [ctrl.decide(["a", "b", "c", "d"]) for _ in range(16)]  # steps 40..55: bucket 4-7 is new
+    assert [p.draft_depth == 0 and p.explored for p in plans] == [s % 8 == 0 for s in range(40, 56)]
     rnd = DepthController(4, SEQ, policy="random", seed=3)
     plans = [rnd.decide(["a", "b", "c"]) for _ in range(200)]
     assert all(max(p.depths.values()) <= p.draft_depth for p in plans)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
 
 
@@ -306,6 +307,11 @@ class ThroughputGuard:
         sums = self._sums.get((self.bucket(num_requests), speculative))
         return sums[0] / sums[1] if sums is not None and sums[2] >= self.min_steps else None
 
+    def knows(self, num_requests: int, speculative: bool) -> bool:
+        """Whether this load has `min_steps` decode steps of the kind measured."""
+        sums = self._sums.get((self.bucket(num_requests), speculative))
+        return sums is not None and sums[2] >= self.min_steps
+
     def plain_wins(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now (False on a retry step)."""
         plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
@@ -396,6 +402,9 @@ class DepthController:
         if step < len(self.probe) or self.costs.count == 0:
             d = self.probe[step % len(self.probe)]
             return Decision({r: d for r in request_ids}, d, True)
+        if step % PLAIN_PROBE_EVERY == 0 and not self.guard.knows(len(request_ids), speculative=False):
+            # the guard has no plain rate at this load yet: measure one
+            return Decision(dict.fromkeys(request_ids, 0), 0, True)
         if step % self.explore_every == 0:
             i = self.choices.index(self._last_draft_depth)
             near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}

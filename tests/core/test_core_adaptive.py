@@ -285,7 +285,13 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
     guard.observe(32, False, 32, 0.010)
     guard.observe(32, True, 40, 0.016)
     assert guard.rate(32, False) == pytest.approx(3200) and guard.rate(32, True) == pytest.approx(2500)
-    assert [guard.plain_wins(32) for _ in range(8)] == [True, True, True, False] * 2  # every 4th retries
+    # a retry is RETRY_STEPS = 3 speculative steps in every retry_every
+    assert [guard.plain_wins(32) for _ in range(8)] == [c % 4 >= 3 for c in range(1, 9)]
+    default = ThroughputGuard(min_steps=1)
+    default.observe(8, False, 8, 0.001)
+    default.observe(8, True, 8, 0.010)
+    assert [default.plain_wins(8) for _ in range(32)] == [c % 16 >= 3 for c in range(1, 33)]
+    assert sum(default.plain_wins(8) for _ in range(160)) == 130  # 13 plain steps in every 16
     assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
     for _ in range(30):  # speculation becomes the faster mode (recent steps weigh most)

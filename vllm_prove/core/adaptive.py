@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+RETRY_STEPS = 3  # consecutive speculative steps of a guard retry (the first only drafts)
 PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
 
@@ -279,9 +280,10 @@ class ThroughputGuard:
     """A model-free check on the fitted policy: per load (running requests, in power-of-two
     buckets), the committed tokens per second the engine *realized* on plain steps and on
     speculative steps (exponentially weighted sums of tokens and seconds). Where plain steps have
-    been faster by more than `margin`, `plain_wins` tells the controller to decode plainly; one
-    step in `retry_every` of that bucket still speculates, so the speculative figure keeps up
-    with a change. Only decode steps count (no prefill chunk in them). A cost model that
+    been faster by more than `margin`, `plain_wins` tells the controller to decode plainly;
+    `RETRY_STEPS` steps in every `retry_every` of that bucket still speculate, so the speculative
+    figure keeps up with a change. Only steady decode steps count (no prefill chunk; plain, or
+    verifying and drafting: see `DepthController.observe_step`). A cost model that
     misjudges the engine (a per-step cost it has no term for) thus cannot keep a load slower
     than plain decoding for long."""
 
@@ -319,7 +321,7 @@ class ThroughputGuard:
             return False
         bucket = self.bucket(num_requests)
         self._forced[bucket] += 1
-        return self._forced[bucket] % self.retry_every != 0
+        return self._forced[bucket] % self.retry_every >= RETRY_STEPS  # a retry: a few steps, to reach steady state
 
     def summary(self) -> dict:
         out = {}
@@ -436,8 +438,12 @@ class DepthController:
         requests committed; None for a step with a prefill chunk) also the throughput guard."""
         self.costs.update(shape, seconds)
         if committed is not None:
-            speculative = shape.spec_requests > 0 or shape.draft_passes > 0
-            self.guard.observe(shape.requests, speculative, committed, seconds)
+            # steady states only: a plain step (nothing verified, nothing drafted) or a speculative
+            # one that verifies and drafts; a step that only drafts pays for tokens the next step
+            # commits, one that only verifies commits what the last one paid for
+            verifies, drafts = shape.spec_requests > 0, shape.draft_passes > 0
+            if verifies == drafts:
+                self.guard.observe(shape.requests, verifies, committed, seconds)
 
     def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         self.observe_verifications([request_id], [num_draft_tokens], [num_accepted])

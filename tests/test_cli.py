@@ -100,12 +100,12 @@ def test_drafter_whose_mask_ids_disagree_is_rejected(tmp_path, prompt_files, cap
     assert "drafter config mask_token_id = 7" in err and "drafter tokenizer mask_token_id = 1" in err
 
 
-def test_sdd_is_not_inside_vllm_yet(tmp_path, prompt_files, capsys):
+def test_sdd_traces_are_a_reference_engine_feature(tmp_path, prompt_files, capsys):
     jsonl, _ = prompt_files
     rc = main(["generate", "--engine", "vllm", "--method", "sdd", "--prompts", str(jsonl), "--max-tokens", "4",
-               "--out", str(tmp_path / "o.jsonl")])
+               "--out", str(tmp_path / "o.jsonl"), "--trace", str(tmp_path / "t.jsonl")])
     assert rc == 2
-    assert "runs on the reference engine so far" in capsys.readouterr().err
+    assert "only the reference engine writes per-round traces" in capsys.readouterr().err
 
 
 def test_txt_prompts_and_same_tokens_for_lossless_and_ar(tmp_path, prompt_files):

@@ -90,7 +90,7 @@ class DiffusionProposer(DraftModelProposer):
         spec = dict(getattr(AutoConfig.from_pretrained(settings.drafter, trust_remote_code=True),
                             "diffusion_drafter", None) or {})
         self.shift = bool(spec.get("logits_shift", False))
-        self.settings, self._runner = settings, runner
+        self._runner = runner
         self.gamma, self.steps, self.mask_id = settings.block_size, settings.steps, settings.mask_token_id
         self.vocab_limit = vllm_config.model_config.get_vocab_size()
         self._offsets = torch.arange(self.gamma, device=device)  # [gamma]
@@ -108,16 +108,16 @@ class DiffusionProposer(DraftModelProposer):
 
                 predictor = load_survival_predictor(settings.survival, settings.signal)
                 self.scorer = lambda d: block_scores(predictor, d.hidden, d.scalars)  # noqa: E731
-            self.special = self._special_token_ids(vllm_config)
+            self.special = self._special_token_ids(vllm_config.model_config, settings.mask_token_id)
 
     @staticmethod
-    def _special_token_ids(vllm_config) -> list[int]:
+    def _special_token_ids(model_config, mask_token_id: int) -> list[int]:
         from transformers import AutoTokenizer
 
-        model_config = vllm_config.model_config
+        from vllm_prove.reference.sdd import guarded_token_ids
+
         tok = AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
-        mask = vllm_config.additional_config["prove"]["mask_token_id"]
-        return sorted(set(tok.all_special_ids) | {tok.eos_token_id, mask} - {None})
+        return guarded_token_ids(tok, mask_token_id)
 
     def prepare_next_token_ids_padded(self, sampled_token_ids, requests, input_batch, discard_request_mask):
         """vLLM's, keeping the number of tokens each request commits this step (skip guards)."""
@@ -326,15 +326,17 @@ class SDDRunnerMixin:
         self.drafter.counters.verified_blocks += int((~self.discard_request_mask.np[:num_reqs]).sum())
         if md is None or self.prove.rule not in ("lenience", "topk"):
             return super()._sample(logits, md)
-        x, n, window = _windows(logits, md)  # [reqs, S], [reqs], [reqs, S + 1, V]
         sampled = super()._sample(logits.clone(), md)  # vLLM may write into the logits
-        rule = (lambda: lenient_accept(x, n, window, self.prove.lenience)) if self.prove.rule == "lenience" else (
-            lambda: topk_accept(x, n, window, self.prove.top_k))
-        verdict, strict = rule(), strict_greedy(x, n, window)
         served = [i for i, r in enumerate(self.input_batch.req_ids[: len(md.num_draft_tokens)])
                   if r is not None and request_gate_serves(self.requests[r]) and md.num_draft_tokens[i] > 0]
         if not served:
             return sampled
+        x, n, window = _windows(logits, md)  # [reqs, S], [reqs], [reqs, S + 1, V]
+        if self.prove.rule == "lenience":
+            verdict = lenient_accept(x, n, window, self.prove.lenience)
+        else:
+            verdict = topk_accept(x, n, window, self.prove.top_k)
+        strict = strict_greedy(x, n, window)
         token_ids = sampled.sampled_token_ids.clone()  # [reqs, S + 1]
         relaxed = gate.sampled_token_ids(verdict, md.max_spec_len).to(token_ids.dtype)
         rows = torch.tensor(served, device=token_ids.device)

@@ -175,6 +175,12 @@ def load_survival_predictor(folder: str | Path, signal: SkipSignal):
     return load_predictor(path)
 
 
+def guarded_token_ids(tokenizer, mask_token_id: int) -> list[int]:
+    """The ids a skip must never commit: the tokenizer's special tokens, EOS and the drafter's
+    mask (one list for the reference decoder and the vLLM drafter, so both skip alike)."""
+    return sorted((set(tokenizer.all_special_ids) | {tokenizer.eos_token_id, mask_token_id}) - {None})
+
+
 def build_sdd_decoder(cfg: DecodeConfig, models, *, features: bool = False) -> SDDDecoder:
     """The SDD decoder of `cfg.method` over `models` (runner.Models with a drafter)."""
     tok, spec = models.tokenizer, models.drafter_spec
@@ -190,7 +196,7 @@ def build_sdd_decoder(cfg: DecodeConfig, models, *, features: bool = False) -> S
         predictor = load_survival_predictor(cfg.survival, cfg.signal)
         scorer = lambda d: block_scores(predictor, d.hidden, d.scalars)  # noqa: E731
         drafter.features = True
-    special = sorted(set(tok.all_special_ids) | {tok.eos_token_id, models.drafter_mask_id})
+    special = guarded_token_ids(tok, models.drafter_mask_id)
     return SDD_DECODERS[cfg.method](cfg, models.proposer, drafter, pad_id=tok.eos_token_id,
                                     special_token_ids=special, scorer=scorer)
 

@@ -100,6 +100,14 @@ def test_drafter_whose_mask_ids_disagree_is_rejected(tmp_path, prompt_files, cap
     assert "drafter config mask_token_id = 7" in err and "drafter tokenizer mask_token_id = 1" in err
 
 
+def test_sdd_gamma_beyond_the_engine_range_names_gamma(tmp_path, prompt_files, capsys):
+    jsonl, _ = prompt_files
+    rc = main(["generate", "--engine", "vllm", "--method", "sdd", "--gamma", "100", "--prompts", str(jsonl),
+               "--max-tokens", "4", "--out", str(tmp_path / "o.jsonl")])
+    assert rc == 2
+    assert "gamma: --engine vllm drafts at most 64 tokens per block" in capsys.readouterr().err
+
+
 def test_sdd_traces_are_a_reference_engine_feature(tmp_path, prompt_files, capsys):
     jsonl, _ = prompt_files
     rc = main(["generate", "--engine", "vllm", "--method", "sdd", "--prompts", str(jsonl), "--max-tokens", "4",

@@ -61,6 +61,12 @@ SDD_RULES = {Method.SDD: "strict", Method.SDD_LENIENCE: "lenience", Method.SDD_T
 
 def sdd_settings(cfg: DecodeConfig) -> dict:
     """``additional_config["prove"]`` of mode ``sdd`` for a diffusion method (gamma = block_size)."""
+    from vllm_prove.config import ProveEngineConfig
+
+    limit = next(m.le for m in ProveEngineConfig.model_fields["block_size"].metadata if hasattr(m, "le"))
+    if cfg.gamma > limit:
+        raise ProveError(f"gamma: --engine vllm drafts at most {limit} tokens per block (mode 'sdd' block_size), "
+                         f"got {cfg.gamma}; the reference engine takes up to 256")
     prove = {"mode": "sdd", "drafter": cfg.drafter or zoo_path("drafter"), "block_size": cfg.gamma,
              "steps": cfg.steps, "rule": SDD_RULES[cfg.method]}
     if cfg.mask_token_id is not None:

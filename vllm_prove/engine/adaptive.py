@@ -45,7 +45,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_prove.config import EngineMode
 from vllm_prove.core.adaptive import DepthController, DraftKind, StepShape
-from vllm_prove.engine.proposers import SAMPLING_EPS
+from vllm_prove.engine.seeded import WholeSeededSteps, seeded_sampling
 from vllm_prove.engine.settings import engine_settings
 
 logger = init_logger(__name__)
@@ -53,15 +53,9 @@ LOG_EVERY_S = 30.0
 SUMMARY_ATTR = "prove_adaptive_summary"  # SchedulerOutput attribute read by the ProVe workers
 
 
-def _seeded_sampling(request) -> bool:
-    """A request whose text is fixed by its seed: it draws from its own generator per draft (drafts
-    and verification), so its batch keeps the full depth while it runs (``decide(pinned=)``)."""
-    params = request.sampling_params
-    return params is not None and params.seed is not None and params.temperature > SAMPLING_EPS
-
-
-class AdaptiveScheduler(Scheduler):
-    """vLLM's synchronous ``Scheduler`` deciding each step's speculation depths (module docstring)."""
+class AdaptiveScheduler(WholeSeededSteps, Scheduler):
+    """vLLM's synchronous ``Scheduler`` deciding each step's speculation depths (module docstring);
+    a seeded request that samples keeps the full depth and is scheduled whole (``seeded``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -80,7 +74,7 @@ class AdaptiveScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         self._step_start = start = time.perf_counter()
         decoding = [r for r in self.running if r.num_output_tokens > 0]
-        pinned = frozenset(r.request_id for r in self.running if _seeded_sampling(r))
+        pinned = frozenset(r.request_id for r in self.running if seeded_sampling(r))
         self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned)
         for request in decoding:
             del request.spec_token_ids[plan.depths[request.request_id]:]
@@ -89,7 +83,7 @@ class AdaptiveScheduler(Scheduler):
         end = time.perf_counter()
         if output.total_num_scheduled_tokens:
             draft_depth = plan.draft_depth
-            if not pinned and any(_seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
+            if not pinned and any(seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
                 draft_depth = self.num_spec_tokens  # a seeded sampler admitted in this very step
             output.num_spec_tokens_to_schedule = min(draft_depth, self.num_spec_tokens)
         setattr(output, SUMMARY_ATTR, self.depth.summary(refit=False) | {"overhead_ms": self._overhead_ms()})

@@ -48,6 +48,7 @@ from vllm_prove.core.rules import lenient_accept, strict_greedy, topk_accept
 from vllm_prove.core.skip_policy import SkipPolicy, guard_flags
 from vllm_prove.engine import gate
 from vllm_prove.engine.requests import request_gate_serves
+from vllm_prove.engine.seeded import WholeSeededSteps
 from vllm_prove.engine.settings import engine_settings
 
 logger = init_logger(__name__)
@@ -374,8 +375,9 @@ def sdd_runner_class(runner_cls: type) -> type:
     return type(f"ProveSDD{runner_cls.__name__}", (SDDRunnerMixin, runner_cls), {})
 
 
-class SDDScheduler(Scheduler):
-    """vLLM's synchronous scheduler, with the look-ahead and the accounting of skipped tokens.
+class SDDScheduler(WholeSeededSteps, Scheduler):
+    """vLLM's synchronous scheduler, with the look-ahead and the accounting of skipped tokens
+    (and seeded sampling requests scheduled whole, ``seeded.WholeSeededSteps``).
 
     - Look-ahead: a block needs ``gamma + 1`` slots past the last scheduled token (the bonus
       token's block when every draft is accepted), a skip chain ``S_max + gamma`` more.

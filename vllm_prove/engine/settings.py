@@ -10,15 +10,19 @@ The settings decide vLLM's flags, so the user writes only ``additional_config``:
 
 | mode | speculative_config filled in | worker | scheduler |
 | --- | --- | --- | --- |
-| lossless | draft_model = the served model, K = B, parallel_drafting, probabilistic drafts | ProVe | vLLM's |
+| lossless | draft_model = the served model, K = B, parallel_drafting, probabilistic drafts | ProVe | adaptive |
 | verifier | draft_model = the verifier, K = B - 1 (its KV shares the block table) | ProVe | ProVe |
 | mars | draft_model = the served model (never loaded twice), K = B - 1 | ProVe | ProVe |
 | sd | the user's own draft_model ``speculative_config``, K = its num_speculative_tokens | ProVe | adaptive |
 | sdd | draft_model = the diffusion drafter, K = gamma = block_size | ProVe | SDD |
 
 In lossless and sd mode the scheduler is ``AdaptiveScheduler`` (load-adaptive depth) unless
-``adaptive`` is false, which leaves vLLM's. A ``speculative_config`` given by the user must
-agree with this (a conflict names the key).
+``adaptive`` is false, which leaves vLLM's own with one change, ``seeded.SeededScheduler``
+(a seeded request that samples gives the same text alone and in any batch); with
+``async_scheduling`` asked for explicitly it is vLLM's own, asynchronous, and seeded text then
+depends on the batch as in vLLM's speculative decoding. Every scheduler of a sampling mode
+schedules seeded requests whole (``seeded.WholeSeededSteps``). A ``speculative_config`` given
+by the user must agree with this (a conflict names the key).
 
 ProVe can also be turned on through ``--speculative-config`` alone: ``{"model":
 "vllm_prove.lossless", "num_speculative_tokens": 8}`` (or ``vllm_prove.verifier`` /
@@ -41,6 +45,7 @@ PROVE_KEY = "prove"
 SCHEDULER_CLS = "vllm_prove.engine.scheduler.ProveScheduler"
 ADAPTIVE_SCHEDULER_CLS = "vllm_prove.engine.adaptive.AdaptiveScheduler"
 SDD_SCHEDULER_CLS = "vllm_prove.engine.diffusion.SDDScheduler"
+SEEDED_SCHEDULER_CLS = "vllm_prove.engine.seeded.SeededScheduler"
 CPU_WORKER_CLS = "vllm_prove.engine.worker.ProveCPUWorker"
 GPU_WORKER_CLS = "vllm_prove.engine.worker.ProveGPUWorker"
 
@@ -249,7 +254,8 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
     worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
     _set_engine_class(args, "worker_cls", worker_cls, ("auto",))
     scheduler_cls = (SCHEDULER_CLS if settings.mode.gated else SDD_SCHEDULER_CLS if settings.mode is EngineMode.SDD
-                     else ADAPTIVE_SCHEDULER_CLS if settings.adaptive_on else None)
+                     else ADAPTIVE_SCHEDULER_CLS if settings.adaptive_on
+                     else None if args.async_scheduling else SEEDED_SCHEDULER_CLS)
     if scheduler_cls is not None:
         _set_engine_class(args, "scheduler_cls", scheduler_cls, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
         if args.async_scheduling:

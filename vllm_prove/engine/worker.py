@@ -45,6 +45,10 @@ def install(worker) -> None:
         runner.drafter = DiffusionProposer(worker.vllm_config, runner.device, runner, settings)
         runner.__class__ = sdd_runner_class(type(runner))
         runner.prove = settings
+    if not settings.mode.gated:  # vLLM's rejection sampler verifies: unverified draft probabilities wait
+        from vllm_prove.engine.seeded import keep_draft_probs_runner_class
+
+        runner.__class__ = keep_draft_probs_runner_class(type(runner))
     if settings.adaptive_on:  # lossless, sd: plain steps as cheap as a plain engine's
         from vllm_prove.engine.adaptive import plain_step_runner_class
 

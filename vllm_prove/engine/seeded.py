@@ -1,0 +1,136 @@
+"""Seeded sampling that gives the same text alone and in any batch, with drafts.
+
+A request with a ``seed`` that samples draws every random number from its own generator:
+its drafts (``proposers._sample_draft_tokens``), then in the rejection sampler one uniform per
+scheduled draft, one recovered-token row and the bonus token's row. Its text is therefore a
+function of its seed *and of how many drafts each of its steps verifies*. Alone, every step
+verifies all ``K`` drafts. In a full batch vLLM cuts a request's drafts when the step's budget
+runs out (``scheduler.py:705-716``: each drafting request takes its tokens plus
+``max_num_new_slots_for_drafting`` input slots, so with ProVe-lossless' ``K = 8`` only seven
+decoding requests fit a 128-token step and the eighth gets its one token without drafts): that
+step verifies fewer drafts, draws fewer numbers, and the text departs from the one alone.
+
+``WholeSeededSteps`` (a mixin for vLLM's ``Scheduler``) schedules such a request with all of its
+drafts or not at all. Before vLLM's loop over the running requests it moves the seeded,
+drafting ones to the front, in their order, and holds back for this step each one whose whole
+step (``1 + K`` tokens and the drafting slots) no longer fits the budget left by the ones
+before it. A held request keeps its drafts and is scheduled whole at a later step: waiting
+draws nothing, so its text is unchanged. (A step too large for even an empty batch is cut alike
+alone and in a batch: such a request keeps vLLM's order and rules.) The other requests keep vLLM's order behind them and
+take what is left, cut as usual.
+
+A held request must also find its draft probabilities when it is verified: vLLM keeps them for
+one step only, so the model runner keeps those of unscheduled requests (``KeepDraftProbsMixin``).
+
+What this does not cover: a request that vLLM preempts between drafting and verification
+(KV-cache pressure) has drawn draft noise it never verifies, so its stream moves on; at the
+front of the running list a seeded request is the last one preempted.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_prove.engine.proposers import SAMPLING_EPS
+
+
+def seeded_sampling(request) -> bool:
+    """A request whose text is fixed by its seed: it samples, from its own generator."""
+    params = request.sampling_params
+    return params is not None and params.seed is not None and params.temperature > SAMPLING_EPS
+
+
+class WholeSeededSteps:
+    """Schedule a seeded, sampling request with all of its drafts or not at all (module docstring).
+
+    Put it before vLLM's ``Scheduler`` in the bases; it runs at the start of ``schedule`` and
+    needs a synchronous scheduler (no output placeholders)."""
+
+    def schedule(self, *args, **kwargs):
+        self._seat_seeded_requests()
+        return super().schedule(*args, **kwargs)
+
+    def _seat_seeded_requests(self) -> None:
+        """Move the seeded, drafting requests to the front of ``self.running`` and hold back for
+        this step those whose whole step does not fit: vLLM schedules a running request
+        ``min(num_new_tokens, token_budget, input_budget - draft_slots)`` tokens and then
+        charges ``num_new_tokens + draft_slots`` input slots (``scheduler.py:705-716, 856-857``).
+        A held request stays in ``self.running`` (the ``max_num_seqs`` count) and is passed over
+        by vLLM's own loop through ``next_decode_eligible_step`` (``scheduler.py:680``, the
+        knob vLLM's diffusion scheduler uses): the step about to start is ``current_step + 1``."""
+        seeded = [r for r in self.running if r.spec_token_ids and seeded_sampling(r)]
+        if not seeded:
+            return
+        spec = self.vllm_config.speculative_config
+        draft_slots = spec.max_num_new_slots_for_drafting if spec is not None else 0
+        token_budget = self.max_num_scheduled_tokens
+        input_budget = self.scheduler_config.max_num_batched_tokens
+        moved = []
+        for request in seeded:
+            need = min(request.num_tokens_with_spec - request.num_computed_tokens,
+                       self.max_model_len - request.num_computed_tokens - self.num_sampled_tokens_per_step)
+            if need > self.max_num_scheduled_tokens or need + draft_slots > self.scheduler_config.max_num_batched_tokens:
+                continue  # never fits a step, alone either: it stays in vLLM's order and rules
+            moved.append(request)
+            if need <= token_budget and need + draft_slots <= input_budget:
+                token_budget -= need
+                input_budget -= need + draft_slots
+            else:
+                request.next_decode_eligible_step = max(request.next_decode_eligible_step, self.current_step + 2)
+        ids = {id(r) for r in moved}
+        self.running[:] = moved + [r for r in self.running if id(r) not in ids]
+
+
+class SeededScheduler(WholeSeededSteps, Scheduler):
+    """vLLM's synchronous ``Scheduler``, with whole steps for seeded sampling requests: the
+    scheduler of ProVe-lossless and ``sd`` when the adaptive depth is off."""
+
+
+class KeepDraftProbsMixin:
+    """Mixed into the model runner of the sampling modes: a request's draft probabilities live until
+    its drafts are verified, not for one step only.
+
+    vLLM keeps the draft probabilities of one step for the next (``gpu_model_runner.py:5019-5022``)
+    and looks each verified request up there (``_get_spec_decode_draft_probs``, l.4719-4746). A
+    request with drafts that is not scheduled in that next step (held back whole above, or past
+    the token budget) loses them, and the step that verifies it later falls back, for the whole
+    batch, to one-hot drafts: still exact, but with a lower acceptance, and a seeded request
+    then draws its numbers into other decisions than alone. Here the rows of such requests are
+    kept (``[K, vocab]`` each, only while they wait) and served when they are verified."""
+
+    def _sample(self, logits, spec_decode_metadata):
+        # This step's verification has read last step's probabilities (below); vLLM drops them
+        # after it (gpu_model_runner.py:4355), so the rows of the requests not in this step go aside.
+        output = super()._sample(logits, spec_decode_metadata)
+        kept = self.__dict__.setdefault("_prove_kept_draft_probs", {})
+        batch = set(self.input_batch.req_ids)
+        for req_id in [r for r in kept if r in batch or r not in self.requests]:
+            del kept[req_id]  # verified in this step (or its drafts dropped), or finished
+        if self._draft_probs is not None and self._draft_prob_req_ids is not None:
+            for row, req_id in enumerate(self._draft_prob_req_ids):
+                if req_id not in batch and req_id in self.requests:
+                    kept[req_id] = self._draft_probs[row].clone()  # [K, vocab]
+        return output
+
+    def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+        kept = getattr(self, "_prove_kept_draft_probs", None)
+        if not kept or self._draft_probs is None or self._draft_prob_req_ids is None:
+            return super()._get_spec_decode_draft_probs(spec_decode_metadata)
+        row_by_req_id = {req_id: i for i, req_id in enumerate(self._draft_prob_req_ids)}
+        rows = []
+        for req_id, num_draft in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens):
+            if num_draft == 0:
+                continue
+            if req_id in row_by_req_id:
+                rows.append(self._draft_probs[row_by_req_id[req_id], :num_draft])
+            elif req_id in kept:
+                rows.append(kept[req_id][:num_draft])
+            else:  # vLLM's own answer: a warning and one-hot drafts for the batch
+                return super()._get_spec_decode_draft_probs(spec_decode_metadata)
+        return torch.cat(rows, dim=0).contiguous() if rows else None
+
+
+def keep_draft_probs_runner_class(runner_cls: type) -> type:
+    """``runner_cls`` with ``KeepDraftProbsMixin`` (one class per runner class)."""
+    return type(f"ProveKeepDraftProbs{runner_cls.__name__}", (KeepDraftProbsMixin, runner_cls), {})

@@ -247,16 +247,16 @@ def test_adaptive_depth_is_the_default_where_built_and_fixed_depth_keeps_vllms_s
     adaptive = "vllm_prove.engine.adaptive.AdaptiveScheduler"
     lossless = _config_summary(additional_config={"prove": {"mode": "lossless"}})
     assert lossless["scheduler"] == adaptive and lossless["prove"]["adaptive"] is None
-    # the fixed depth: vLLM's scheduler, with seeded requests scheduled whole (engine.seeded) ...
+    # the fixed depth: vLLM's own scheduler (asynchronous when vLLM chooses so) ...
     fixed = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}})
-    assert fixed["scheduler"] == "vllm_prove.engine.seeded.SeededScheduler"
-    # ... or vLLM's own, asynchronous, when the user asks for async scheduling
     from vllm.engine.arg_utils import EngineArgs
 
-    fixed_async = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}},
-                                  async_scheduling=True)
-    plain = EngineArgs(model=PROPOSER, dtype="float32", max_model_len=384, async_scheduling=True).create_engine_config()
-    assert fixed_async["scheduler"] == str(plain.scheduler_config.scheduler_cls)  # vLLM's own
+    plain = EngineArgs(model=PROPOSER, dtype="float32", max_model_len=384).create_engine_config()
+    assert fixed["scheduler"] == str(plain.scheduler_config.scheduler_cls)  # vLLM's own
+    # ... and with async scheduling off, vLLM's scheduling seeded requests whole (engine.seeded)
+    fixed_sync = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}},
+                                 async_scheduling=False)
+    assert fixed_sync["scheduler"] == "vllm_prove.engine.seeded.SeededScheduler"
     gated = _config_summary(additional_config=prove_config("mars"))
     assert gated["scheduler"] == "vllm_prove.engine.scheduler.ProveScheduler"
     # vLLM's own draft-model SD under the adaptive depth: the user's speculative_config, K kept

@@ -17,12 +17,12 @@ The settings decide vLLM's flags, so the user writes only ``additional_config``:
 | sdd | draft_model = the diffusion drafter, K = gamma = block_size | ProVe | SDD |
 
 In lossless and sd mode the scheduler is ``AdaptiveScheduler`` (load-adaptive depth) unless
-``adaptive`` is false, which leaves vLLM's own with one change, ``seeded.SeededScheduler``
-(a seeded request that samples gives the same text alone and in any batch); with
-``async_scheduling`` asked for explicitly it is vLLM's own, asynchronous, and seeded text then
-depends on the batch as in vLLM's speculative decoding. Every scheduler of a sampling mode
-schedules seeded requests whole (``seeded.WholeSeededSteps``). A ``speculative_config`` given
-by the user must agree with this (a conflict names the key).
+``adaptive`` is false, which leaves vLLM's own (asynchronous by default, the fastest fixed
+depth). With ``async_scheduling=False`` as well it is ``seeded.SeededScheduler``, vLLM's
+synchronous scheduler scheduling seeded requests whole (``seeded.WholeSeededSteps``, as every
+ProVe scheduler of a sampling mode does), so that a seeded request's text does not depend on
+its batch. A ``speculative_config`` given by the user must agree with this (a conflict names
+the key).
 
 ProVe can also be turned on through ``--speculative-config`` alone: ``{"model":
 "vllm_prove.lossless", "num_speculative_tokens": 8}`` (or ``vllm_prove.verifier`` /
@@ -255,7 +255,7 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
     _set_engine_class(args, "worker_cls", worker_cls, ("auto",))
     scheduler_cls = (SCHEDULER_CLS if settings.mode.gated else SDD_SCHEDULER_CLS if settings.mode is EngineMode.SDD
                      else ADAPTIVE_SCHEDULER_CLS if settings.adaptive_on
-                     else None if args.async_scheduling else SEEDED_SCHEDULER_CLS)
+                     else SEEDED_SCHEDULER_CLS if args.async_scheduling is False else None)
     if scheduler_cls is not None:
         _set_engine_class(args, "scheduler_cls", scheduler_cls, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
         if args.async_scheduling:

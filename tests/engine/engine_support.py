@@ -135,6 +135,39 @@ def seeded_runs(llm, cases: list[Case], temperature: float = 0.8) -> dict[str, l
     return {"alone": token_ids(alone), "together": token_ids(together)}
 
 
+def seeded_at_the_budget_edge(llm, cases, tokenizer) -> dict:
+    """A seeded sampling request 8th in line behind 7 greedy ones, all decoding at once. Each
+    drafting request takes its 1 + K tokens and its drafting slots of the 128-token step
+    (lossless, K = 8: 9 + 8; sdd, gamma = 16: 17 + 1), so vLLM itself would give the 8th one
+    token without drafts at every step, and its seed would draw other numbers than alone
+    (vllm_prove.engine.seeded). Then 8 seeded requests at once: the 8th waits for a whole step.
+    Short prompts and outputs: two KV blocks per request, so the 16-block cache preempts none."""
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=tokenizer(c.prompt, add_special_tokens=False)["input_ids"][:6])
+               for c in cases[:8]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
+    seeds = [seeded.clone() for _ in prompts]
+    for i, params in enumerate(seeds):
+        params.seed = i
+    alone = token_ids(llm.generate([prompts[7]], seeded, use_tqdm=False))
+    all_alone = token_ids([llm.generate([p], params, use_tqdm=False)[0] for p, params in zip(prompts, seeds)])
+    before = engine_metric(llm, "vllm:num_preemptions")
+    together = token_ids(llm.generate(prompts, [greedy] * 7 + [seeded], use_tqdm=False)[7:])
+    all_together = token_ids(llm.generate(prompts, seeds, use_tqdm=False))
+    return {"alone": alone[0], "together": together[0], "all_alone": all_alone, "all_together": all_together,
+            "preemptions": engine_metric(llm, "vllm:num_preemptions") - before}
+
+
+def assert_seeded_edge_invariant(edge: dict) -> None:
+    """``seeded_at_the_budget_edge``'s seeded texts equal the same requests alone."""
+    assert edge["preemptions"] == 0  # the premise: nothing preempted, only the budget is tight
+    assert len(edge["alone"]) == 10 and all(len(t) == 10 for t in edge["all_alone"])
+    assert edge["together"] == edge["alone"]
+    assert edge["all_together"] == edge["all_alone"]
+
+
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 

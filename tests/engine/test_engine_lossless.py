@@ -22,6 +22,7 @@ from engine_support import (
     PER_REQUEST_METRICS,
     VERIFIER,
     abort_mid_generation,
+    assert_seeded_edge_invariant,
     build_cases,
     engine,
     engine_metric,
@@ -29,6 +30,7 @@ from engine_support import (
     explain_greedy_divergence,
     generate,
     prove_engine_kwargs,
+    seeded_at_the_budget_edge,
     seeded_runs,
     token_ids,
     total_variation,
@@ -66,7 +68,7 @@ class Run:
     samples: list[tuple] = field(default_factory=list)
     acceptance_first_draft: dict[str, float] = field(default_factory=dict)  # fix on / off
     seeded: dict[str, list[list[int]]] = field(default_factory=dict)  # alone / together
-    edge: dict = field(default_factory=dict)  # _seeded_at_the_budget_edge
+    edge: dict = field(default_factory=dict)  # seeded_at_the_budget_edge
     adaptive: dict = field(default_factory=dict)  # DepthController.summary() at the end
 
 
@@ -101,31 +103,6 @@ def _sample(llm, prompt_ids: list[int]) -> list[tuple]:
     return [tuple(o.outputs[0].token_ids) for o in outputs]
 
 
-def _seeded_at_the_budget_edge(llm, cases, tokenizer) -> dict:
-    """A seeded sampling request 8th in line behind 7 greedy ones, all decoding at once. Each
-    drafting request takes 1 + K = 9 tokens and K = 8 drafting slots of the 128-token step, so
-    vLLM itself would give the 8th its one token without drafts at every step, and its seed
-    would draw other numbers than alone (seeded.WholeSeededSteps). Then 8 seeded requests at
-    once: the 8th waits for a whole step. Short prompts and outputs: two KV blocks per request,
-    so the 16-block cache preempts none of the 8."""
-    from vllm import SamplingParams, TokensPrompt
-
-    prompts = [TokensPrompt(prompt_token_ids=tokenizer(c.prompt, add_special_tokens=False)["input_ids"][:6])
-               for c in cases[:8]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
-    seeds = [seeded.clone() for _ in prompts]
-    for i, params in enumerate(seeds):
-        params.seed = i
-    alone = token_ids(llm.generate([prompts[7]], seeded, use_tqdm=False))
-    all_alone = token_ids([llm.generate([p], params, use_tqdm=False)[0] for p, params in zip(prompts, seeds)])
-    before = engine_metric(llm, "vllm:num_preemptions")
-    together = token_ids(llm.generate(prompts, [greedy] * 7 + [seeded], use_tqdm=False)[7:])
-    all_together = token_ids(llm.generate(prompts, seeds, use_tqdm=False))
-    return {"alone": alone[0], "together": together[0], "all_alone": all_alone, "all_together": all_together,
-            "preemptions": engine_metric(llm, "vllm:num_preemptions") - before}
-
-
 def _seeded_cases(cases):
     """Every 4th case plus every prompt longer than the 128-token chunk budget (chunked prefill)."""
     return [c for i, c in enumerate(cases) if i % 4 == 0 or len(c.prompt) > 400]
@@ -156,7 +133,7 @@ def lossless(cases, plain, zoo_models) -> Run:  # `plain` first: one engine at a
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
         run.adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
         run.seeded = seeded_runs(llm, _seeded_cases(cases))
-        run.edge = _seeded_at_the_budget_edge(llm, cases, zoo_models.tokenizer)
+        run.edge = seeded_at_the_budget_edge(llm, cases, zoo_models.tokenizer)
     return run
 
 
@@ -338,8 +315,4 @@ def test_seeded_request_at_the_budget_edge_is_scheduled_whole(lossless):
     """A seeded request that vLLM would cut to one token without drafts (the 8th drafting
     request of a 128-token step) is scheduled whole: first in line behind no one, or, when 8
     seeded requests fill the step, at a later step. Its text alone and in the batch is the same."""
-    edge = lossless.edge
-    assert edge["preemptions"] == 0  # the premise: nothing preempted, only the budget is tight
-    assert len(edge["alone"]) == 10 and all(len(t) == 10 for t in edge["all_alone"])
-    assert edge["together"] == edge["alone"]
-    assert edge["all_together"] == edge["all_alone"]
+    assert_seeded_edge_invariant(lossless.edge)

@@ -18,11 +18,13 @@ from engine_support import (
     ENGINE_KWARGS,
     IN_FLIGHT,
     abort_mid_generation,
+    assert_seeded_edge_invariant,
     build_cases,
     engine,
     engine_metric,
     first_divergence,
     generate,
+    seeded_at_the_budget_edge,
     token_ids,
     truncate,
 )
@@ -75,7 +77,7 @@ def ar(cases):
 
 
 @pytest.fixture(scope="module")
-def strict(cases):
+def strict(cases, zoo_models):
     run = Run()
     with engine(**sdd_config("strict"), per_request_spec_decode_metrics="detailed") as llm:
         _greedy_runs(llm, cases, run)
@@ -83,6 +85,7 @@ def strict(cases):
         run.extra["abort"] = abort_mid_generation(llm, cases)
         run.extra["drafted"] = engine_metric(llm, "vllm:spec_decode_num_draft_tokens")
         run.extra["accepted"] = engine_metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        run.extra["edge"] = seeded_at_the_budget_edge(llm, cases, zoo_models.tokenizer)  # last: sampled requests
     return run
 
 
@@ -160,6 +163,13 @@ def test_vllm_drafts_are_the_reference_drafters(strict, cases, sdd_reference):
         # every round but the last (a request's limit may cut its last block differently)
         steps = strict.per_step[i][:-1]
         assert [a + 1 for a in steps] == [r.committed for r in records[1:]][: len(steps)], i
+
+
+def test_seeded_request_at_the_budget_edge_is_scheduled_whole(strict):
+    """Strict SDD samples through vLLM's rejection sampler: a seeded request that vLLM would cut
+    to one token without drafts (8th of a 128-token step at gamma = 16) is scheduled whole, and
+    its text alone and in the batch is the same (vllm_prove.engine.seeded)."""
+    assert_seeded_edge_invariant(strict.extra["edge"])
 
 
 def test_aborts_free_every_kv_block(strict):

@@ -15,9 +15,9 @@ drafts or not at all. Before vLLM's loop over the running requests it moves the 
 drafting ones to the front, in their order, and holds back for this step each one whose whole
 step (``1 + K`` tokens and the drafting slots) no longer fits the budget left by the ones
 before it. A held request keeps its drafts and is scheduled whole at a later step: waiting
-draws nothing, so its text is unchanged. (A step too large for even an empty batch is cut alike
-alone and in a batch: such a request keeps vLLM's order and rules.) The other requests keep vLLM's order behind them and
-take what is left, cut as usual.
+draws nothing, so its text is unchanged. The other requests keep vLLM's order behind them and
+take what is left, cut as usual. (A step too large for even an empty batch is cut alike alone
+and in a batch: such a request keeps vLLM's order and rules.)
 
 A held request must also find its draft probabilities when it is verified: vLLM keeps them for
 one step only, so the model runner keeps those of unscheduled requests (``KeepDraftProbsMixin``).
@@ -84,7 +84,7 @@ class WholeSeededSteps:
 
 class SeededScheduler(WholeSeededSteps, Scheduler):
     """vLLM's synchronous ``Scheduler``, with whole steps for seeded sampling requests: the
-    scheduler of ProVe-lossless and ``sd`` when the adaptive depth is off."""
+    scheduler of ProVe-lossless and ``sd`` with ``adaptive: false`` and ``async_scheduling=False``."""
 
 
 class KeepDraftProbsMixin:

@@ -311,8 +311,7 @@ class ThroughputGuard:
 
     def knows(self, num_requests: int, speculative: bool) -> bool:
         """Whether this load has `min_steps` decode steps of the kind measured."""
-        sums = self._sums.get((self.bucket(num_requests), speculative))
-        return sums is not None and sums[2] >= self.min_steps
+        return self.rate(num_requests, speculative) is not None
 
     def plain_wins(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now (False on a retry step)."""

@@ -64,13 +64,13 @@ class WholeSeededSteps:
             return
         spec = self.vllm_config.speculative_config
         draft_slots = spec.max_num_new_slots_for_drafting if spec is not None else 0
-        token_budget = self.max_num_scheduled_tokens
-        input_budget = self.scheduler_config.max_num_batched_tokens
+        token_total, input_total = self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens
+        token_budget, input_budget = token_total, input_total
         moved = []
         for request in seeded:
             need = min(request.num_tokens_with_spec - request.num_computed_tokens,
                        self.max_model_len - request.num_computed_tokens - self.num_sampled_tokens_per_step)
-            if need > self.max_num_scheduled_tokens or need + draft_slots > self.scheduler_config.max_num_batched_tokens:
+            if need > token_total or need + draft_slots > input_total:
                 continue  # never fits a step, alone either: it stays in vLLM's order and rules
             moved.append(request)
             if need <= token_budget and need + draft_slots <= input_budget:
@@ -104,6 +104,8 @@ class KeepDraftProbsMixin:
         # after it (gpu_model_runner.py:4355), so the rows of the requests not in this step go aside.
         output = super()._sample(logits, spec_decode_metadata)
         kept = self.__dict__.setdefault("_prove_kept_draft_probs", {})
+        if not kept and self._draft_probs is None:
+            return output  # nothing waits, nothing to keep (every all-greedy step)
         batch = set(self.input_batch.req_ids)
         for req_id in [r for r in kept if r in batch or r not in self.requests]:
             del kept[req_id]  # verified in this step (or its drafts dropped), or finished

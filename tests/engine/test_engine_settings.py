@@ -221,7 +221,8 @@ def _config_summary(**kwargs) -> dict:
     spec = cfg.speculative_config
     return {"prove": cfg.additional_config.get("prove"), "method": spec.method, "k": spec.num_speculative_tokens,
             "parallel": spec.parallel_drafting, "draft": spec.model, "worker": cfg.parallel_config.worker_cls,
-            "scheduler": str(cfg.scheduler_config.scheduler_cls), "v2": cfg.use_v2_model_runner}
+            "scheduler": str(cfg.scheduler_config.scheduler_cls), "v2": cfg.use_v2_model_runner,
+            "async": cfg.scheduler_config.async_scheduling}
 
 
 @pytest.mark.parametrize(("mode", "k", "extra"), [("lossless", 8, {}), ("mars", 7, {"tau": 0.3}),
@@ -243,20 +244,22 @@ def test_speculative_config_conflicting_with_additional_config_names_the_field()
                         additional_config={"prove": {"block_size": 8}})
 
 
-def test_adaptive_depth_is_the_default_where_built_and_fixed_depth_keeps_vllms_scheduler():
+def test_adaptive_depth_is_the_default_and_the_fixed_depth_schedules_seeded_requests_whole():
     adaptive = "vllm_prove.engine.adaptive.AdaptiveScheduler"
     lossless = _config_summary(additional_config={"prove": {"mode": "lossless"}})
     assert lossless["scheduler"] == adaptive and lossless["prove"]["adaptive"] is None
-    # the fixed depth: vLLM's own scheduler (asynchronous when vLLM chooses so) ...
+    # the fixed depth: where vLLM schedules synchronously (here: the CPU platform turns async
+    # scheduling off), vLLM's scheduler scheduling seeded requests whole (engine.seeded) ...
+    seeded = "vllm_prove.engine.seeded.SeededScheduler"
     fixed = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}})
-    from vllm.engine.arg_utils import EngineArgs
-
-    plain = EngineArgs(model=PROPOSER, dtype="float32", max_model_len=384).create_engine_config()
-    assert fixed["scheduler"] == str(plain.scheduler_config.scheduler_cls)  # vLLM's own
-    # ... and with async scheduling off, vLLM's scheduling seeded requests whole (engine.seeded)
+    assert (fixed["scheduler"], fixed["async"]) == (seeded, False)
     fixed_sync = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}},
                                  async_scheduling=False)
-    assert fixed_sync["scheduler"] == "vllm_prove.engine.seeded.SeededScheduler"
+    assert fixed_sync["scheduler"] == seeded
+    # ... and vLLM's own scheduler where async scheduling is asked for (vLLM's choice on GPU)
+    fixed_async = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}},
+                                  async_scheduling=True)
+    assert fixed_async["scheduler"] != seeded and "prove" not in fixed_async["scheduler"]
     gated = _config_summary(additional_config=prove_config("mars"))
     assert gated["scheduler"] == "vllm_prove.engine.scheduler.ProveScheduler"
     # vLLM's own draft-model SD under the adaptive depth: the user's speculative_config, K kept

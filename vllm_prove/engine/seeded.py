@@ -84,7 +84,8 @@ class WholeSeededSteps:
 
 class SeededScheduler(WholeSeededSteps, Scheduler):
     """vLLM's synchronous ``Scheduler``, with whole steps for seeded sampling requests: the
-    scheduler of ProVe-lossless and ``sd`` with ``adaptive: false`` and ``async_scheduling=False``."""
+    scheduler of ProVe-lossless and ``sd`` with ``adaptive: false`` wherever vLLM schedules
+    synchronously (on CPU, or with ``async_scheduling=False``)."""
 
 
 class KeepDraftProbsMixin:
@@ -97,7 +98,16 @@ class KeepDraftProbsMixin:
     the token budget) loses them, and the step that verifies it later falls back, for the whole
     batch, to one-hot drafts: still exact, but with a lower acceptance, and a seeded request
     then draws its numbers into other decisions than alone. Here the rows of such requests are
-    kept (``[K, vocab]`` each, only while they wait) and served when they are verified."""
+    kept (``[K, vocab]`` each, with the draft tokens they belong to, only while they wait) and
+    served when those very tokens are verified.
+
+    A kept row is served only for the tokens it was drafted with: under vLLM's asynchronous
+    scheduler a request that missed a step is verified on placeholder drafts (token 0,
+    ``gpu_model_runner.py:3309``), not on its own, and the rejection test of a token against the
+    probabilities of another draft would be biased. Such drafts, and any request whose draft
+    probabilities are gone, are verified as one-hot drafts, request by request: accepting a draft
+    ``x`` with probability ``p(x)`` and otherwise sampling ``p`` without ``x`` gives exactly ``p``
+    whatever distribution ``x`` came from."""
 
     def _sample(self, logits, spec_decode_metadata):
         # This step's verification has read last step's probabilities (below); vLLM drops them
@@ -110,26 +120,32 @@ class KeepDraftProbsMixin:
         for req_id in [r for r in kept if r in batch or r not in self.requests]:
             del kept[req_id]  # verified in this step (or its drafts dropped), or finished
         if self._draft_probs is not None and self._draft_prob_req_ids is not None:
+            drafts = self._draft_token_ids  # [num_reqs, K]: the same rows (gpu_model_runner.py:5006-5023)
             for row, req_id in enumerate(self._draft_prob_req_ids):
-                if req_id not in batch and req_id in self.requests:
-                    kept[req_id] = self._draft_probs[row].clone()  # [K, vocab]
+                if req_id not in batch and req_id in self.requests and drafts is not None:
+                    tokens = torch.as_tensor(drafts[row], device=self._draft_probs.device)  # [K]
+                    kept[req_id] = (tokens.clone(), self._draft_probs[row].clone())  # [K], [K, vocab]
         return output
 
     def _get_spec_decode_draft_probs(self, spec_decode_metadata):
         kept = getattr(self, "_prove_kept_draft_probs", None)
-        if not kept or self._draft_probs is None or self._draft_prob_req_ids is None:
+        if not kept:
             return super()._get_spec_decode_draft_probs(spec_decode_metadata)
-        row_by_req_id = {req_id: i for i, req_id in enumerate(self._draft_prob_req_ids)}
-        rows = []
+        current = {} if self._draft_probs is None or self._draft_prob_req_ids is None else {
+            req_id: i for i, req_id in enumerate(self._draft_prob_req_ids)}
+        _, some_row = next(iter(kept.values()))
+        verified = spec_decode_metadata.draft_token_ids  # [total drafts], request after request
+        rows, start = [], 0
         for req_id, num_draft in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens):
             if num_draft == 0:
                 continue
-            if req_id in row_by_req_id:
-                rows.append(self._draft_probs[row_by_req_id[req_id], :num_draft])
-            elif req_id in kept:
-                rows.append(kept[req_id][:num_draft])
-            else:  # vLLM's own answer: a warning and one-hot drafts for the batch
-                return super()._get_spec_decode_draft_probs(spec_decode_metadata)
+            tokens, start = verified[start : start + num_draft], start + num_draft
+            if req_id in current:
+                rows.append(self._draft_probs[current[req_id], :num_draft])
+            elif req_id in kept and torch.equal(kept[req_id][0][:num_draft], tokens.to(kept[req_id][0].dtype)):
+                rows.append(kept[req_id][1][:num_draft])
+            else:  # not the drafts the probabilities belong to, or none kept: a one-hot (exact) test
+                rows.append(torch.nn.functional.one_hot(tokens.long(), some_row.shape[-1]).to(some_row.dtype))
         return torch.cat(rows, dim=0).contiguous() if rows else None
 
 

@@ -17,11 +17,12 @@ The settings decide vLLM's flags, so the user writes only ``additional_config``:
 | sdd | draft_model = the diffusion drafter, K = gamma = block_size | ProVe | SDD |
 
 In lossless and sd mode the scheduler is ``AdaptiveScheduler`` (load-adaptive depth) unless
-``adaptive`` is false, which leaves vLLM's own (asynchronous by default, the fastest fixed
-depth). With ``async_scheduling=False`` as well it is ``seeded.SeededScheduler``, vLLM's
-synchronous scheduler scheduling seeded requests whole (``seeded.WholeSeededSteps``, as every
-ProVe scheduler of a sampling mode does), so that a seeded request's text does not depend on
-its batch. A ``speculative_config`` given by the user must agree with this (a conflict names
+``adaptive`` is false. The fixed depth then runs ``seeded.SeededScheduler``, vLLM's synchronous
+scheduler scheduling seeded requests whole (``seeded.WholeSeededSteps``, as every ProVe
+scheduler of a sampling mode does, so that a seeded request's text does not depend on its
+batch), wherever vLLM schedules synchronously: with ``async_scheduling=False``, and on CPU,
+whose platform turns asynchronous scheduling off (``vllm/platforms/cpu.py``). Where vLLM would
+schedule asynchronously (GPU, by default) the fixed depth keeps vLLM's own ``AsyncScheduler``. A ``speculative_config`` given by the user must agree with this (a conflict names
 the key).
 
 ProVe can also be turned on through ``--speculative-config`` alone: ``{"model":
@@ -253,9 +254,13 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
 
     worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
     _set_engine_class(args, "worker_cls", worker_cls, ("auto",))
+    # The fixed depth keeps vLLM's asynchronous scheduler where vLLM would run one; where it
+    # schedules synchronously anyway (asked to, or on CPU, whose platform turns it off) it gets
+    # the synchronous one that schedules seeded requests whole.
+    synchronous = args.async_scheduling is False or (args.async_scheduling is None and current_platform.is_cpu())
     scheduler_cls = (SCHEDULER_CLS if settings.mode.gated else SDD_SCHEDULER_CLS if settings.mode is EngineMode.SDD
                      else ADAPTIVE_SCHEDULER_CLS if settings.adaptive_on
-                     else SEEDED_SCHEDULER_CLS if args.async_scheduling is False else None)
+                     else SEEDED_SCHEDULER_CLS if synchronous else None)
     if scheduler_cls is not None:
         _set_engine_class(args, "scheduler_cls", scheduler_cls, (None, "vllm.v1.core.sched.scheduler.Scheduler"))
         if args.async_scheduling:

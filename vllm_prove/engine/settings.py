@@ -22,8 +22,8 @@ scheduler scheduling seeded requests whole (``seeded.WholeSeededSteps``, as ever
 scheduler of a sampling mode does, so that a seeded request's text does not depend on its
 batch), wherever vLLM schedules synchronously: with ``async_scheduling=False``, and on CPU,
 whose platform turns asynchronous scheduling off (``vllm/platforms/cpu.py``). Where vLLM would
-schedule asynchronously (GPU, by default) the fixed depth keeps vLLM's own ``AsyncScheduler``. A ``speculative_config`` given by the user must agree with this (a conflict names
-the key).
+schedule asynchronously (GPU, by default) the fixed depth keeps vLLM's own ``AsyncScheduler``.
+A ``speculative_config`` given by the user must agree with this (a conflict names the key).
 
 ProVe can also be turned on through ``--speculative-config`` alone: ``{"model":
 "vllm_prove.lossless", "num_speculative_tokens": 8}`` (or ``vllm_prove.verifier`` /

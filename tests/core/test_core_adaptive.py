@@ -192,6 +192,25 @@ def _feed(ctrl, truth, accept, steps, requests):
     return ctrl
 
 
+def test_guard_learns_the_plain_rate_of_vllms_draft_model_too():
+    """vLLM's draft model runs a pass over the verified rows even at D = 0, so a plain step of
+    mode `sd` has a draft pass; it drafts no token, and the guard must count it as plain (else the
+    plain rate is never known and a plain probe step runs every PLAIN_PROBE_EVERY steps forever),
+    and a step that only verifies must not count as speculative."""
+    ctrl = DepthController(5, SEQ)
+    for _ in range(4):
+        ctrl.observe_step(StepShape.of(1, 0, 0, SEQ), 0.003, 1)  # plain: one token, one re-read pass
+    assert ctrl.guard.knows(1, speculative=False)
+    for _ in range(4):
+        ctrl.observe_step(StepShape.of(1, 5, 0, SEQ, spec_requests=1), 0.004, 6)  # verifies, drafts nothing
+    assert not ctrl.guard.knows(1, speculative=True)
+    # one request, speculation much faster: after the probe, plain steps are rare (explorations only)
+    cheap = StepCost(c_0=0.003, c_req=0.0, c_row=0.00002, c_pass=0.0005, c_draft_row=0.00002)
+    ctrl = _feed(DepthController(5, SEQ), cheap, 0.9, 100, ["a"])
+    plain = sum(ctrl.decide(["a"]).draft_depth == 0 for _ in range(200))
+    assert plain <= 200 // 32 + 1  # not one in PLAIN_PROBE_EVERY
+
+
 def test_controller_probes_then_follows_the_load():
     light = StepCost(c_0=0.01, c_req=0.0005, c_row=0.00005, c_pass=0.004, c_draft_row=0.00005)
     ctrl = _feed(DepthController(8, PAR), light, 0.8, 81, ["a"])  # step 81 is no exploration step

@@ -75,6 +75,9 @@ class StepShape:
     draft_passes: int
     draft_rows: int
     draft_requests: int  # requests the drafter reads several rows of (its multi-token queries)
+    # tokens drafted per request; not a cost term (vLLM's draft model pays one pass at D = 0 and
+    # D = 1 alike), but what tells a plain step (D = 0) from a drafting one
+    draft_depth: int = field(default=0, compare=False)
 
     @staticmethod
     def of(requests: int, spec_tokens: int, draft_depth: int, kind: DraftKind, extra_rows: int = 0,
@@ -84,10 +87,10 @@ class StepShape:
         rows = requests + spec_tokens + extra_rows
         if kind is DraftKind.PARALLEL:
             d = int(draft_depth > 0)
-            return StepShape(requests, rows, spec_requests, d, requests * draft_depth, requests * d)
+            return StepShape(requests, rows, spec_requests, d, requests * draft_depth, requests * d, draft_depth)
         # vLLM's draft model re-reads every verified row (keeping its own KV in step) even at D = 0
         return StepShape(requests, rows, spec_requests, max(draft_depth, 1),
-                         rows + requests * max(draft_depth - 1, 0), requests)
+                         rows + requests * max(draft_depth - 1, 0), requests, draft_depth)
 
     def features(self) -> np.ndarray:  # [7] float64, in COST_TERMS order
         return np.array([1.0, self.requests, self.rows, self.draft_passes, self.draft_rows, self.spec_requests,
@@ -440,7 +443,7 @@ class DepthController:
             # steady states only: a plain step (nothing verified, nothing drafted) or a speculative
             # one that verifies and drafts; a step that only drafts pays for tokens the next step
             # commits, one that only verifies commits what the last one paid for
-            verifies, drafts = shape.spec_requests > 0, shape.draft_passes > 0
+            verifies, drafts = shape.spec_requests > 0, shape.draft_depth > 0
             if verifies == drafts:
                 self.guard.observe(shape.requests, verifies, committed, seconds)
 

@@ -119,10 +119,10 @@ class KeepDraftProbsMixin:
         batch = set(self.input_batch.req_ids)
         for req_id in [r for r in kept if r in batch or r not in self.requests]:
             del kept[req_id]  # verified in this step (or its drafts dropped), or finished
-        if self._draft_probs is not None and self._draft_prob_req_ids is not None:
-            drafts = self._draft_token_ids  # [num_reqs, K]: the same rows (gpu_model_runner.py:5006-5023)
+        drafts = self._draft_token_ids  # [num_reqs, K]: the probabilities' rows (gpu_model_runner.py:5006-5023)
+        if self._draft_probs is not None and self._draft_prob_req_ids is not None and drafts is not None:
             for row, req_id in enumerate(self._draft_prob_req_ids):
-                if req_id not in batch and req_id in self.requests and drafts is not None:
+                if req_id not in batch and req_id in self.requests:
                     tokens = torch.as_tensor(drafts[row], device=self._draft_probs.device)  # [K]
                     kept[req_id] = (tokens.clone(), self._draft_probs[row].clone())  # [K], [K, vocab]
         return output

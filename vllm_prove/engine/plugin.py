@@ -11,9 +11,10 @@ ask for ProVe it changes nothing but one thing, the CPU sampling fixes (2.): no 
 no environment variable, no other behaviour. It
 
 1. wraps ``EngineArgs.create_engine_config`` so that ``additional_config["prove"]`` is
-   validated and turned into vLLM's flags before the config is built (``settings``); that is
-   where a vLLM other than ``SUPPORTED_VLLM`` is refused (a ``RuntimeError`` naming both
-   versions), for ProVe engines only;
+   validated and turned into vLLM's flags before the config is built (``settings``), and an
+   engine with the adaptive depth gets vLLM's resolved executor without the draft round trip of
+   plain steps (``executor``); that is where a vLLM other than ``SUPPORTED_VLLM`` is refused (a
+   ``RuntimeError`` naming both versions), for ProVe engines only;
 2. on the CPU platform with the supported vLLM, re-registers the fixed expand kernel right
    after the platform's own overrides (``cpu_fixes``): every engine on the CPU, ProVe or not,
    samples correctly with drafts (the bench tables say their vLLM baselines run so);
@@ -87,6 +88,7 @@ def _wrap_create_engine_config() -> None:
             config = original(self, *args, **kwargs)
             if prove is not None:
                 settings.check_engine_config(config, prove)
+                settings.install_executor(config, prove)
             return config
 
         return create_engine_config

@@ -272,6 +272,20 @@ def prepare_engine_args(args) -> ProveEngineConfig | None:  # args: vllm.engine.
     return resolved
 
 
+def install_executor(vllm_config, settings: ProveEngineConfig) -> None:
+    """With the adaptive depth, vLLM's resolved ``"mp"`` / ``"uni"`` executor becomes its
+    ``executor`` twin that skips the draft round trip of plain steps; any other backend (Ray, an
+    external launcher, the user's own class) is left as it is."""
+    if not settings.adaptive_on:
+        return
+    from vllm_prove.engine.executor import EXECUTORS
+
+    parallel_config = vllm_config.parallel_config
+    backend = parallel_config.distributed_executor_backend
+    if isinstance(backend, str) and backend in EXECUTORS:
+        parallel_config.distributed_executor_backend = EXECUTORS[backend]
+
+
 def check_engine_config(vllm_config, settings: ProveEngineConfig) -> None:
     """Checks that need vLLM's resolved config (after ``create_engine_config``)."""
     if not settings.mode.gated:

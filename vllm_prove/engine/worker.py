@@ -70,6 +70,7 @@ class _ProveWorkerMixin:
     def init_device(self) -> None:
         super().init_device()
         install(self)
+        self._prove_draft_fetches = {"steps": 0, "drafting_steps": 0, "fetches": 0}
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         from vllm_prove.engine.adaptive import SUMMARY_ATTR
@@ -77,7 +78,20 @@ class _ProveWorkerMixin:
         summary = getattr(scheduler_output, SUMMARY_ATTR, None)
         if summary is not None:
             self._prove_adaptive_summary = summary
+        if scheduler_output.total_num_scheduled_tokens:
+            self._prove_draft_fetches["steps"] += 1
+            self._prove_draft_fetches["drafting_steps"] += scheduler_output.num_spec_tokens_to_schedule != 0
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def take_draft_token_ids(self):
+        self._prove_draft_fetches["fetches"] += 1
+        return super().take_draft_token_ids()
+
+    def prove_draft_fetches(self) -> dict[str, int]:
+        """Steps the worker ran, those that drafted (``num_spec_tokens_to_schedule != 0``), and
+        the engine's draft fetches (``take_draft_token_ids``): under the adaptive depth a plain
+        step fetches nothing (``executor``)."""
+        return dict(self._prove_draft_fetches)
 
     def prove_probe(self) -> dict[str, Any]:
         """What the engine is running: runner, drafter, weight/KV sharing, KV blocks."""

@@ -192,7 +192,8 @@ def cmd_bench(args) -> int:
         rows: list[str] = []
         with engine_output_to(log_path, enabled=not args.verbose) as console:
             run_engine_bench(prompts, max_tokens=args.max_tokens, in_flight=args.batch_sizes, runs=runs,
-                             bf16=args.bf16, repeats=args.repeats, out_dir=args.out, log=rows.append,
+                             bf16=args.bf16, repeats=args.repeats, interleave=args.interleave, out_dir=args.out,
+                             log=rows.append,
                              progress=console)
         print(HEADER)
         print("\n".join(rows))
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--methods", nargs="+", help="vllm: only these rows (labels of the table; AR always runs)")
         b.add_argument("--repeats", type=int, default=1,
                        help="vllm: runs per concurrency on each engine; rows report the median ratio and its spread")
+        b.add_argument("--interleave", action="store_true",
+                       help="vllm: every engine up at once, taking turns (repeat i drives AR, then each other "
+                            "engine, seconds apart): ratios robust to a machine whose speed drifts over minutes")
         b.add_argument("--block-sizes", type=int, nargs="+", default=[],
                        help="vllm: also lossless and ProVe theta=0.1 at these block sizes (the B sweep)")
         b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json (and bench.png)")

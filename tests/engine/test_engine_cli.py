@@ -128,3 +128,31 @@ def test_engine_bench_rows_memory_and_plot(tmp_path):
     written = json.loads((tmp_path / "bench.json").read_text())
     assert written["rows"] == report["rows"] and set(written["pass_seconds"]) == {"B=8 n=1", "B=8 n=4"}
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_interleaved_bench_takes_turns_with_every_engine_up(tmp_path, monkeypatch):
+    """`--interleave`: both engines are up at once and repeat i drives AR, then the other engine
+    (the default runs each engine's repeats back to back, one engine at a time)."""
+    runs = [r for r in engine_bench.ENGINE_RUNS if r.label in ("ar", "prove-lossless adaptive")]
+    turns, memory = [], []
+    drive_once = engine_bench._drive_once
+
+    def spy(eng, prompts, params, n):
+        turns.append((eng.run.label, n))
+        memory.append(engine_bench.engine_peak_rss_mb())  # every engine process of this test
+        drive_once(eng, prompts, params, n)
+
+    monkeypatch.setattr(engine_bench, "_drive_once", spy)
+    report = engine_bench.run_engine_bench(heldout_prompts()[:4], max_tokens=8, in_flight=(1, 2), runs=runs,
+                                           repeats=2, interleave=True, out_dir=tmp_path, log=lambda line: None)
+    ar, lossless = "ar", "prove-lossless adaptive"
+    assert turns == [(ar, 1), (lossless, 1)] * 2 + [(ar, 2), (lossless, 2)] * 2
+    rows = {(r["label"], r["in_flight"]): r for r in report["rows"]}
+    assert report["interleave"] is True and set(rows) == {(label, n) for label in (ar, lossless) for n in (1, 2)}
+    for n in (1, 2):
+        row = rows[lossless, n]
+        assert row["same_as_ar"] == 1.0 and len(row["tokens_per_s_repeats"]) == 2
+        lo, hi = row["ratio_spread"]
+        assert lo <= row["ratio_to_ar"] <= hi
+    # each row's memory is its own engine's, not the sum of the engines that were up together
+    assert 0 < rows[ar, 1]["peak_rss_mb"] < min(memory[1:])

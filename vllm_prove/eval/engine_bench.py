@@ -2,7 +2,9 @@
 
 One process, one run: every configuration decodes the same prompts greedily on its own
 engine, at each number of requests in flight, right after the others, so the ratios are
-comparable (absolute times on these noisy machines are not, across runs). Rows:
+comparable (absolute times on these noisy machines are not, across runs). With `--interleave`
+the engines are all up at once and take turns run by run, so each ratio compares runs seconds
+apart. Rows:
 
 - vLLM AR; vLLM's draft-model SD with the zoo verifier as the drafter (k = 3, 5); vLLM's
   built-in self parallel drafting (the proposer loaded again as its own draft); MARS tau;
@@ -134,14 +136,17 @@ def engine_output_to(path: Path, enabled: bool = True):
             console.close()  # the speed probe every engine passes before it is measured
 
 
-def engine_peak_rss_mb() -> float:
-    """Peak resident memory (VmHWM) of this process's children: vLLM's engine processes."""
+def engine_peak_rss_mb(pids=None) -> float:
+    """Peak resident memory (VmHWM) of the processes `pids` (default: this process's children,
+    vLLM's engine processes)."""
     import psutil
 
+    if pids is None:
+        pids = [child.pid for child in psutil.Process().children(recursive=True)]
     total = 0
-    for child in psutil.Process().children(recursive=True):
+    for pid in pids:
         try:
-            status = Path(f"/proc/{child.pid}/status").read_text()
+            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:  # not Linux, or the child is gone
             continue
         total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
@@ -175,14 +180,69 @@ def same_as_reference_share(tokens: list[list[int]], reference: list[list[int]])
     return common / max(1, sum(len(a) for a in tokens))
 
 
+IDLE_S = 1.2  # vLLM's shared-memory readers poll busily for 1 s after their last message
+
+
+@dataclass
+class _Engine:
+    """One configuration's engine during a bench: its drives per concurrency, its processes."""
+
+    run: EngineRun
+    cfg: DecodeConfig
+    llm: object
+    pids: set
+    seconds: float = 0.0  # start-up and drives
+    reps: dict = field(default_factory=dict)  # in flight -> [(results, driven, spec delta)]
+
+
+def _start(run: EngineRun, max_tokens: int, max_num_seqs: int, stack: contextlib.ExitStack) -> _Engine:
+    """Start `run`'s engine inside `stack` and fill it once (the speed probe)."""
+    import psutil
+    from vllm import SamplingParams
+
+    cfg = run.config(max_tokens=max_tokens)
+    t_start = time.perf_counter()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = stack.enter_context(engine_gen.engine(engine_gen.engine_kwargs(cfg, run.flags(cfg),
+                                                                         max_num_seqs=max_num_seqs)))
+    pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    # the probe fills the engine: the first full batch then pays no one-off costs
+    probe, _ = engine_gen.drive(llm, [PROBE[0]] * max_num_seqs, SamplingParams(temperature=0.0, max_tokens=PROBE[1]),
+                                max_num_seqs)
+    if not probe[0].token_ids:
+        raise RuntimeError(f"{run.label}: the speed probe produced no tokens")
+    return _Engine(run, cfg, llm, pids, time.perf_counter() - t_start)
+
+
+def _drive_once(eng: _Engine, prompts: list[str], params, n: int) -> None:
+    """One timed run of `prompts` at `n` in flight, with the engine's counters around it."""
+    from vllm_prove.engine import metrics
+
+    t0 = time.perf_counter()
+    before = metrics.from_engine_metrics(eng.llm.get_metrics())
+    if eng.cfg.method.diffusion:
+        engine_gen.sdd_counters(eng.llm, reset=True)
+    results, driven = engine_gen.drive(eng.llm, prompts, params, n)
+    if eng.cfg.method.diffusion:
+        driven["sdd"] = engine_gen.sdd_counters(eng.llm)
+    eng.reps.setdefault(n, []).append((results, driven, metrics.from_engine_metrics(eng.llm.get_metrics()) - before))
+    eng.seconds += time.perf_counter() - t0
+
+
 def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 4, 16), runs=None,
-                     bf16: bool = False, repeats: int = 1, out_dir: str | Path | None = None, log=print,
-                     progress=None) -> dict:
+                     bf16: bool = False, repeats: int = 1, interleave: bool = False,
+                     out_dir: str | Path | None = None, log=print, progress=None) -> dict:
     """Run every configuration; `log(line)` gets each table row as its engine finishes;
     `progress` (a stream) shows one bar over all engines and concurrencies. With `repeats` > 1
-    each concurrency runs that many times back to back on its engine: a row reports the median
-    tokens/s, the median of the per-repeat ratios to AR (repeat i against AR's repeat i) and
-    their spread, and the other fields of the median repeat."""
+    each concurrency runs that many times: a row reports the median tokens/s, the median of the
+    per-repeat ratios to AR (repeat i against AR's repeat i) and their spread, and the other
+    fields of the median repeat.
+
+    Engines run one after another by default, each doing its repeats back to back. With
+    `interleave` every engine is up at once and they take turns: repeat i drives AR, then each
+    other engine, `IDLE_S` apart, so a ratio compares runs seconds apart, not minutes (this
+    machine's speed drifts by 10-30% over minutes). It needs the memory of all engines at once
+    (on a GPU, a `gpu_memory_utilization` share each)."""
     if repeats < 1:
         raise ProveError(f"--repeats: at least 1, got {repeats}")
     from tqdm import tqdm
@@ -190,7 +250,6 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    from vllm_prove.engine import metrics
     from vllm_prove.reference.runner import zoo_path
 
     runs = list(ENGINE_RUNS if runs is None else runs) + (BF16_RUNS if bf16 else [])
@@ -210,71 +269,81 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     rows, reference, ar_speeds = [], {}, {}  # [(dtype, n)]: AR's tokens per prompt, its tokens/s per repeat
     bar = tqdm(total=len(runs) * len(in_flight) * repeats, desc="engines", unit="run", file=progress,
                disable=progress is None, dynamic_ncols=True)
-    for run in runs:
-        bar.set_postfix_str(run.label)
-        cfg = run.config(max_tokens=max_tokens)
-        t_start = time.perf_counter()
-        with engine_gen.engine(engine_gen.engine_kwargs(cfg, run.flags(cfg), max_num_seqs=max(in_flight))) as llm:
-            # the probe fills the engine: the first full batch then pays no one-off costs
-            fill = max(in_flight)
-            probe, _ = engine_gen.drive(llm, [PROBE[0]] * fill, SamplingParams(temperature=0.0, max_tokens=PROBE[1]),
-                                        fill)
-            if not probe[0].token_ids:
-                raise RuntimeError(f"{run.label}: the speed probe produced no tokens")
-            run_rows = []
-            for n in in_flight:
-                reps = []  # (results, driven, spec) per repeat, back to back on this engine
-                for _ in range(repeats):
-                    before = metrics.from_engine_metrics(llm.get_metrics())
-                    if cfg.method.diffusion:
-                        engine_gen.sdd_counters(llm, reset=True)
-                    results, driven = engine_gen.drive(llm, prompts, params, n)
-                    if cfg.method.diffusion:
-                        driven["sdd"] = engine_gen.sdd_counters(llm)
-                    reps.append((results, driven, metrics.from_engine_metrics(llm.get_metrics()) - before))
-                    bar.update()
-                speeds = [sum(len(r.token_ids) for r in res) / d["seconds"] for res, d, _ in reps]
-                if run.label == "ar":
-                    ar_speeds[(cfg.dtype, n)] = speeds
-                ar = ar_speeds.get(("float32", n))
-                ratios = sorted(v / a for v, a in zip(speeds, ar)) if ar else None
-                results, driven, spec = reps[sorted(range(repeats), key=speeds.__getitem__)[repeats // 2]]
-                summary = engine_gen.summarize(cfg.model_copy(update={"batch_size": n}), results, driven, spec)
-                tokens = [r.token_ids for r in results]
-                if cfg.method is Method.AR:
-                    reference[(cfg.dtype, n)] = tokens
-                if cfg.method.diffusion:  # SUMMARY.json's SDD fields; no cost model for the drafter's passes
-                    summary |= engine_gen.sdd_summary(driven["sdd"], summary["num_tokens"])
-                ideal = None if cfg.method.diffusion else ideal_speedup(
-                    max(1.0, summary["committed_per_cycle"]), cycle_cost(cfg.method, cfg.k, cost(cfg.block_size, n)))
-                ratio = ratios[len(ratios) // 2] if ratios else None
-                ar_ref = reference.get((cfg.dtype, n))
-                row = {"label": run.label, "in_flight": n, "dtype": cfg.dtype, **summary,
-                       "repeats": repeats, "tokens_per_s_repeats": [round(v, 2) for v in speeds],
-                       "ratio_to_ar": None if ratio is None else round(ratio, 3),
-                       "ratio_spread": None if ratios is None else [round(ratios[0], 3), round(ratios[-1], 3)],
-                       "same_as_ar": round(same_as_reference_share(tokens, ar_ref), 4) if ar_ref else None,
-                       "off_argmax": round(off_argmax_share(proposer, results), 4),
-                       "ms_per_step": round(1000 * driven["seconds"] / max(1, driven["engine_steps"]), 2),
-                       "ideal_speedup": None if ideal is None else round(ideal, 3),
-                       "efficiency": None if ratio is None or ideal is None else round(ratio / ideal, 3)}
-                run_rows.append(row)
-            peak, capacity = engine_peak_rss_mb(), kv_capacity_tokens(llm)
+
+    def drive(eng: _Engine, n: int) -> None:
+        bar.set_postfix_str(eng.run.label)
+        _drive_once(eng, prompts, params, n)
+        bar.update()
+
+    def report(eng: _Engine) -> None:
+        run_rows = [_row(eng, n, ar_speeds, reference, proposer, cost(eng.cfg.block_size, n)) for n in in_flight]
+        peak, capacity = engine_peak_rss_mb(eng.pids), kv_capacity_tokens(eng.llm)
         for row in run_rows:
             row |= {"peak_rss_mb": peak, "kv_capacity_tokens": capacity}
             rows.append(row)
             log(format_row(row))
-        log(f"  ({run.label}: engine start + runs {time.perf_counter() - t_start:.0f} s)")
+        log(f"  ({eng.run.label}: engine start + runs {eng.seconds:.0f} s)")
+
+    if interleave:
+        with contextlib.ExitStack() as stack:
+            engines = [_start(run, max_tokens, max(in_flight), stack) for run in runs]
+            for n in in_flight:
+                for _ in range(repeats):
+                    for eng in engines:
+                        time.sleep(IDLE_S)  # the engine that ran last stops polling its workers
+                        drive(eng, n)
+            for eng in engines:
+                report(eng)
+    else:
+        for run in runs:
+            with contextlib.ExitStack() as stack:
+                eng = _start(run, max_tokens, max(in_flight), stack)
+                for n in in_flight:
+                    for _ in range(repeats):
+                        drive(eng, n)
+                report(eng)
     bar.close()
-    report = {"prompts": len(prompts), "max_tokens": max_tokens, "in_flight": list(in_flight), "repeats": repeats,
-              "pass_seconds": {f"B={b} n={n}": c for (b, n), c in costs.items()}, "rows": rows,
-              "machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "torch": torch.__version__}}
+    report_ = {"prompts": len(prompts), "max_tokens": max_tokens, "in_flight": list(in_flight), "repeats": repeats,
+               "interleave": interleave,
+               "pass_seconds": {f"B={b} n={n}": c for (b, n), c in costs.items()}, "rows": rows,
+               "machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "torch": torch.__version__}}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "bench.json").write_text(json.dumps(report_, indent=2) + "\n")
         plot(rows, out / "bench.png")
-    return report
+    return report_
+
+
+def _row(eng: _Engine, n: int, ar_speeds: dict, reference: dict, proposer, pass_cost: dict) -> dict:
+    """The table row of `eng` at `n` in flight (records AR's speeds and tokens for the rows after it)."""
+    cfg, reps = eng.cfg, eng.reps[n]
+    repeats = len(reps)
+    speeds = [sum(len(r.token_ids) for r in res) / d["seconds"] for res, d, _ in reps]
+    if eng.run.label == "ar":
+        ar_speeds[(cfg.dtype, n)] = speeds
+    ar = ar_speeds.get(("float32", n))
+    ratios = sorted(v / a for v, a in zip(speeds, ar)) if ar else None
+    results, driven, spec = reps[sorted(range(repeats), key=speeds.__getitem__)[repeats // 2]]
+    summary = engine_gen.summarize(cfg.model_copy(update={"batch_size": n}), results, driven, spec)
+    tokens = [r.token_ids for r in results]
+    if cfg.method is Method.AR:
+        reference[(cfg.dtype, n)] = tokens
+    if cfg.method.diffusion:  # SUMMARY.json's SDD fields; no cost model for the drafter's passes
+        summary |= engine_gen.sdd_summary(driven["sdd"], summary["num_tokens"])
+    ideal = None if cfg.method.diffusion else ideal_speedup(
+        max(1.0, summary["committed_per_cycle"]), cycle_cost(cfg.method, cfg.k, pass_cost))
+    ratio = ratios[len(ratios) // 2] if ratios else None
+    ar_ref = reference.get((cfg.dtype, n))
+    return {"label": eng.run.label, "in_flight": n, "dtype": cfg.dtype, **summary,
+            "repeats": repeats, "tokens_per_s_repeats": [round(v, 2) for v in speeds],
+            "ratio_to_ar": None if ratio is None else round(ratio, 3),
+            "ratio_spread": None if ratios is None else [round(ratios[0], 3), round(ratios[-1], 3)],
+            "same_as_ar": round(same_as_reference_share(tokens, ar_ref), 4) if ar_ref else None,
+            "off_argmax": round(off_argmax_share(proposer, results), 4),
+            "ms_per_step": round(1000 * driven["seconds"] / max(1, driven["engine_steps"]), 2),
+            "ideal_speedup": None if ideal is None else round(ideal, 3),
+            "efficiency": None if ratio is None or ideal is None else round(ratio / ideal, 3)}
 
 
 HEADER = (f"{'method':<24}{'n':>3}{'tok/s':>8}{'x AR':>6}{'spread':>11}{'commit/cyc':>11}{'K avg':>6}{'K=0':>5}"

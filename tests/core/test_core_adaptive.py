@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core.adaptive import (AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+from vllm_prove.core.adaptive import (RETRY_STEPS, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
                                       StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
@@ -195,15 +195,17 @@ def _feed(ctrl, truth, accept, steps, requests):
 def test_guard_learns_the_plain_rate_of_vllms_draft_model_too():
     """vLLM's draft model runs a pass over the verified rows even at D = 0, so a plain step of
     mode `sd` has a draft pass; it drafts no token, and the guard must count it as plain (else the
-    plain rate is never known and a plain probe step runs every PLAIN_PROBE_EVERY steps forever),
-    and a step that only verifies must not count as speculative."""
+    plain rate is never known and a plain probe step runs every PLAIN_PROBE_EVERY steps forever);
+    a step that only verifies belongs to the speculative regime (it commits what the step before
+    drafted)."""
     ctrl = DepthController(5, SEQ)
     for _ in range(4):
         ctrl.observe_step(StepShape.of(1, 0, 0, SEQ), 0.003, 1)  # plain: one token, one re-read pass
-    assert ctrl.guard.knows(1, speculative=False)
+    assert ctrl.guard.knows(1, speculative=False) and not ctrl.guard.knows(1, speculative=True)
     for _ in range(4):
         ctrl.observe_step(StepShape.of(1, 5, 0, SEQ, spec_requests=1), 0.004, 6)  # verifies, drafts nothing
-    assert not ctrl.guard.knows(1, speculative=True)
+    assert ctrl.guard.rate(1, speculative=True) == pytest.approx(6 / 0.004)
+    assert ctrl.guard.rate(1, speculative=False) == pytest.approx(1 / 0.003)
     # one request, speculation much faster: after the probe, plain steps are rare (explorations only)
     cheap = StepCost(c_0=0.003, c_req=0.0, c_row=0.00002, c_pass=0.0005, c_draft_row=0.00002)
     ctrl = _feed(DepthController(5, SEQ), cheap, 0.9, 100, ["a"])
@@ -296,27 +298,60 @@ def test_pinned_requests_keep_the_full_depth_under_any_policy():
 
 
 def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
-    guard = ThroughputGuard(min_steps=4, retry_every=4, margin=0.02)
+    guard = ThroughputGuard(min_steps=4, retry_every=8, margin=0.02)
     for _ in range(3):
-        guard.observe(32, False, 32, 0.010)  # plain: 3200 tok/s at 32 running
+        guard.observe(32, False, 32, 0.010)  # plain: 3200 tok/s at 32 running, 100 per request-second
         guard.observe(32, True, 40, 0.016)  # speculative: 2500 tok/s
     assert guard.rate(32, False) is None and not guard.plain_wins(32)  # too few steps to judge
     guard.observe(32, False, 32, 0.010)
     guard.observe(32, True, 40, 0.016)
-    assert guard.rate(32, False) == pytest.approx(3200) and guard.rate(32, True) == pytest.approx(2500)
-    # a retry is RETRY_STEPS = 3 speculative steps in every retry_every
-    assert [guard.plain_wins(32) for _ in range(8)] == [c % 4 >= 3 for c in range(1, 9)]
+    assert guard.rate(32, False) == pytest.approx(100) and guard.rate(32, True) == pytest.approx(2500 / 32)
+    # a retry is RETRY_STEPS = 4 speculative steps in every retry_every
+    assert RETRY_STEPS == 4 and [guard.plain_wins(32) for _ in range(16)] == [c % 8 >= 4 for c in range(1, 17)]
     default = ThroughputGuard(min_steps=1)
     default.observe(8, False, 8, 0.001)
     default.observe(8, True, 8, 0.010)
-    assert [default.plain_wins(8) for _ in range(32)] == [c % 16 >= 3 for c in range(1, 33)]
-    assert sum(default.plain_wins(8) for _ in range(160)) == 130  # 13 plain steps in every 16
+    assert [default.plain_wins(8) for _ in range(64)] == [c % 32 >= 4 for c in range(1, 65)]
+    assert sum(default.plain_wins(8) for _ in range(320)) == 280  # 28 plain steps in every 32
     assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
     for _ in range(30):  # speculation becomes the faster mode (recent steps weigh most)
         guard.observe(32, True, 80, 0.016)
     assert not guard.plain_wins(32)
     assert guard.summary()["32"]["speculative"]["steps"] == 34
+
+
+def test_guard_rates_are_per_request_so_loads_in_one_bucket_compare_fairly():
+    """Buckets hold loads up to 2x apart: plain steps seen at 9 running requests and speculative
+    ones at 15 compare per request, not by the batch's total (which favours the bigger load)."""
+    guard = ThroughputGuard(min_steps=1)
+    guard.observe(9, False, 9, 0.008)  # plain at 9 running: 1125 tok/s, 125 per request-second
+    guard.observe(15, True, 30, 0.020)  # speculative at 15: 1500 tok/s, but 100 per request-second
+    assert guard.bucket(9) == guard.bucket(15) and guard.plain_faster(12)
+
+
+def test_guard_charges_the_speculative_regime_for_its_draft_only_and_prefill_steps():
+    """The speculative regime's steady steps (verify and draft) beat plain steps, but the steps
+    that only draft and the prefill steps it brings (speculating requests finish out of step, so
+    prompts are admitted one by one) make it slower overall: the guard sees the whole regime, and
+    the controller decodes that load plainly."""
+    ctrl = DepthController(8, PAR, explore_every=1000)
+    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
+    _feed(ctrl, cost, 0.9, 30, [f"r{i}" for i in range(16)])  # the cost fit says: speculate
+    many = [f"r{i}" for i in range(16)]
+    assert ctrl.decide(many).draft_depth > 0
+    steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
+    draft_only = StepShape.of(16, 0, 2, PAR)
+    prefill = StepShape.of(16, 32, 2, PAR, extra_rows=150, spec_requests=15)
+    plain = StepShape.of(16, 0, 0, PAR)
+    for _ in range(10):
+        ctrl.observe_step(plain, 0.008, 16)  # 2000 tok/s
+        ctrl.observe_step(steady, 0.020, 48)  # 2400 tok/s: the steady steps alone would keep speculating
+        ctrl.observe_step(draft_only, 0.016, 16)
+        ctrl.observe_step(prefill, 0.036, 46)
+    assert ctrl.guard.plain_faster(16)
+    plans = [ctrl.decide(many) for _ in range(32)]
+    assert sum(p.draft_depth == 0 for p in plans) == 32 - RETRY_STEPS
 
 
 def test_controller_decodes_plainly_where_the_realized_rate_says_so():

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-RETRY_STEPS = 3  # consecutive speculative steps of a guard retry (the first only drafts)
+RETRY_STEPS = 4  # consecutive speculative steps of a guard retry (the first only drafts)
 PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
 
@@ -281,16 +281,18 @@ class AcceptanceTracker:
 
 class ThroughputGuard:
     """A model-free check on the fitted policy: per load (running requests, in power-of-two
-    buckets), the committed tokens per second the engine *realized* on plain steps and on
-    speculative steps (exponentially weighted sums of tokens and seconds). Where plain steps have
-    been faster by more than `margin`, `plain_wins` tells the controller to decode plainly;
-    `RETRY_STEPS` steps in every `retry_every` of that bucket still speculate, so the speculative
-    figure keeps up with a change. Only steady decode steps count (no prefill chunk; plain, or
-    verifying and drafting: see `DepthController.observe_step`). A cost model that
-    misjudges the engine (a per-step cost it has no term for) thus cannot keep a load slower
-    than plain decoding for long."""
+    buckets), the committed tokens per request-second the engine *realized* in its plain regime
+    and in its speculative regime (exponentially weighted sums of tokens and of seconds times
+    requests: per request, so that steps at 9 and at 15 running requests compare fairly). Every
+    step counts, in the regime it belongs to (`DepthController.observe_step`): the speculative
+    regime's steps that only draft or only verify, and its steps with a prefill chunk, are part of
+    what speculating costs. Where plain steps have been faster by more than `margin`,
+    `plain_wins` tells the controller to decode plainly; `RETRY_STEPS` steps in every
+    `retry_every` of that bucket still speculate, so the speculative figure keeps up with a change.
+    A cost model that misjudges the engine (a per-step cost it has no term for) thus cannot keep a
+    load slower than plain decoding for long."""
 
-    def __init__(self, decay: float = 0.9, margin: float = 0.02, min_steps: int = 4, retry_every: int = 16) -> None:
+    def __init__(self, decay: float = 0.95, margin: float = 0.02, min_steps: int = 4, retry_every: int = 32) -> None:
         self.decay, self.margin, self.min_steps, self.retry_every = decay, margin, min_steps, retry_every
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
         self._forced: Counter = Counter()  # bucket -> plain decisions forced so far
@@ -304,11 +306,12 @@ class ThroughputGuard:
             return
         sums = self._sums.setdefault((self.bucket(num_requests), speculative), [0.0, 0.0, 0])
         sums[0] = self.decay * sums[0] + committed
-        sums[1] = self.decay * sums[1] + seconds
+        sums[1] = self.decay * sums[1] + seconds * num_requests
         sums[2] += 1
 
     def rate(self, num_requests: int, speculative: bool) -> float | None:
-        """Realized committed tokens per second at this load, or None before `min_steps` steps."""
+        """Realized committed tokens per request-second at this load, or None before `min_steps`
+        steps."""
         sums = self._sums.get((self.bucket(num_requests), speculative))
         return sums[0] / sums[1] if sums is not None and sums[2] >= self.min_steps else None
 
@@ -316,10 +319,14 @@ class ThroughputGuard:
         """Whether this load has `min_steps` decode steps of the kind measured."""
         return self.rate(num_requests, speculative) is not None
 
+    def plain_faster(self, num_requests: int) -> bool:
+        """Whether plain decoding has been faster at this load (by more than `margin`)."""
+        plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
+        return plain is not None and spec is not None and plain > spec * (1 + self.margin)
+
     def plain_wins(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now (False on a retry step)."""
-        plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
-        if plain is None or spec is None or plain <= spec * (1 + self.margin):
+        if not self.plain_faster(num_requests):
             return False
         bucket = self.bucket(num_requests)
         self._forced[bucket] += 1
@@ -329,7 +336,7 @@ class ThroughputGuard:
         out = {}
         for (bucket, speculative), (tokens, seconds, steps) in sorted(self._sums.items()):
             entry = out.setdefault(str(2 ** (bucket - 1)), {})
-            entry["speculative" if speculative else "plain"] = {"tok_per_s": round(tokens / seconds, 1),
+            entry["speculative" if speculative else "plain"] = {"tok_per_req_s": round(tokens / seconds, 1),
                                                                 "steps": steps}
         return out
 
@@ -409,7 +416,8 @@ class DepthController:
         if step % PLAIN_PROBE_EVERY == 0 and not self.guard.knows(len(request_ids), speculative=False):
             # the guard has no plain rate at this load yet: measure one
             return Decision(dict.fromkeys(request_ids, 0), 0, True)
-        if step % self.explore_every == 0:
+        if step % self.explore_every == 0 and not self.guard.plain_faster(len(request_ids)):
+            # (where plain decoding has been faster, the guard's retries explore instead)
             i = self.choices.index(self._last_draft_depth)
             near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}
             d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
@@ -436,16 +444,16 @@ class DepthController:
         return decision
 
     def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None) -> None:
-        """A step's shape and duration (the cost fit); with `committed` (tokens the step's decoding
-        requests committed; None for a step with a prefill chunk) also the throughput guard."""
+        """A step's shape and duration (the cost fit); with `committed` (tokens
+        the step committed) also the throughput guard, in the step's regime: plain if it verified
+        and drafted nothing, else speculative. A step that only drafts pays for tokens the next
+        step commits and one that only verifies commits what the last one paid for, so both count
+        (to the same regime); so do steps with a prefill chunk, whose number depends on the regime
+        (speculating requests finish out of step, and each finish admits a prompt on its own)."""
         self.costs.update(shape, seconds)
         if committed is not None:
-            # steady states only: a plain step (nothing verified, nothing drafted) or a speculative
-            # one that verifies and drafts; a step that only drafts pays for tokens the next step
-            # commits, one that only verifies commits what the last one paid for
-            verifies, drafts = shape.spec_requests > 0, shape.draft_depth > 0
-            if verifies == drafts:
-                self.guard.observe(shape.requests, verifies, committed, seconds)
+            speculative = shape.spec_requests > 0 or shape.draft_depth > 0
+            self.guard.observe(shape.requests, speculative, committed, seconds)
 
     def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         self.observe_verifications([request_id], [num_draft_tokens], [num_accepted])

@@ -15,10 +15,13 @@ applies. Per step:
    request after this step's verification: vLLM's dynamic-SD field, read by every drafter's
    ``propose(num_speculative_tokens=...)`` (``gpu_model_runner.py:4763``). ``D = 0`` skips
    ProVe-lossless' mask pass; vLLM's draft model still re-reads the verified rows (its own KV).
-3. **Measure** (end of ``update_from_output``): the step's seconds, from the start of
-   ``schedule`` (model execution, sampling and drafting included), with its shape (requests,
-   target rows, drafter passes and rows) -> the online cost fit; each verification's drafted and
-   accepted counts -> the acceptance estimates.
+3. **Measure** (after ``update_from_output``): the step's seconds, from the start of
+   ``schedule`` (model execution, sampling and drafting included) to the end of
+   ``update_from_output``, or of ``update_draft_token_ids`` when the engine then fetched the
+   step's drafts from the workers (``EngineCore.post_step``: a round trip that only speculative
+   steps pay, ``executor``), with its shape (requests, target rows, drafter passes and rows) and
+   the tokens it committed -> the online cost fit and the throughput guard; each verification's
+   drafted and accepted counts -> the acceptance estimates.
 
 In ProVe-lossless a step with ``D = 0`` also skips vLLM's drafter plumbing in the model runner
 (``PlainStepRunnerMixin``, installed by ``worker.install``).
@@ -68,11 +71,14 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                                      seed=self.vllm_config.model_config.seed or 0)
         self._plan = None
         self._step_start = 0.0
+        self._pending = None  # (shape, committed, start, end) of the last step, until observed
         self._last_log = time.monotonic()
         self._own_seconds = 0.0
 
     def schedule(self, *args, **kwargs):
         self._step_start = start = time.perf_counter()
+        if self._pending is not None:  # the last step drafted nothing: no fetch came after it
+            self._observe_pending(fetched=False)
         decoding = [r for r in self.running if r.num_output_tokens > 0]
         pinned = frozenset(r.request_id for r in self.running if seeded_sampling(r))
         self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned)
@@ -113,13 +119,29 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             shape = StepShape.of(requests, num_spec, scheduler_output.num_spec_tokens_to_schedule, self.depth.kind,
                                  extra_rows=extra_rows, spec_requests=sum(1 for d in spec.values() if d))
             committed = None
-            if extra_rows == 0 and sampled:  # a decode step: what it committed feeds the throughput guard
+            if sampled:  # what the step committed feeds the throughput guard (prefill steps too)
                 committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
-            self.depth.observe_step(shape, time.perf_counter() - self._step_start, committed)
-            self._maybe_log()
+            # observed once the engine has fetched the step's drafts (a round trip to the workers
+            # that is part of the step's cost), or at the next step when it fetched none
+            self._pending = (shape, committed, self._step_start, time.perf_counter())
         self._plan = None
         self._own_seconds += time.perf_counter() - start
         return outputs
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        super().update_draft_token_ids(draft_token_ids)
+        if self._pending is not None:
+            self._observe_pending(fetched=True)
+
+    def _observe_pending(self, fetched: bool) -> None:
+        """Feed the last step to the controller: from the start of its ``schedule`` to the end of
+        its ``update_from_output``, and on through the draft fetch when there was one."""
+        start = time.perf_counter()
+        shape, committed, step_start, step_end = self._pending
+        self._pending = None
+        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed)
+        self._maybe_log()
+        self._own_seconds += time.perf_counter() - start
 
     def _free_request(self, request, *args, **kwargs):
         self.depth.finish(request.request_id)

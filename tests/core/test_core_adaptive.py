@@ -306,18 +306,22 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
     guard.observe(32, False, 32, 0.010)
     guard.observe(32, True, 40, 0.016)
     assert guard.rate(32, False) == pytest.approx(100) and guard.rate(32, True) == pytest.approx(2500 / 32)
-    # a retry is RETRY_STEPS = 4 speculative steps in every retry_every
-    assert RETRY_STEPS == 4 and [guard.plain_wins(32) for _ in range(16)] == [c % 8 >= 4 for c in range(1, 17)]
+    # a retry is RETRY_STEPS = 4 speculative steps after retry_every decisions; each retry that
+    # leaves plain ahead doubles the wait for the next
+    assert RETRY_STEPS == 4
+    assert [guard.plain_wins(32) for _ in range(8 + 16)] == [True] * 4 + [False] * 4 + [True] * 12 + [False] * 4
     default = ThroughputGuard(min_steps=1)
     default.observe(8, False, 8, 0.001)
     default.observe(8, True, 8, 0.010)
-    assert [default.plain_wins(8) for _ in range(64)] == [c % 32 >= 4 for c in range(1, 65)]
-    assert sum(default.plain_wins(8) for _ in range(320)) == 280  # 28 plain steps in every 32
+    retries = [default.plain_wins(8) for _ in range(32 + 64 + 128 + 256 + 512 + 512)]
+    assert retries.count(False) == 6 * RETRY_STEPS and retries[28:32] == [False] * 4 and retries[92:96] == [False] * 4
+    assert retries[-4:] == [False] * 4 and retries[-516:-512] == [False] * 4  # capped at max_retry_every = 512
     assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
     for _ in range(30):  # speculation becomes the faster mode (recent steps weigh most)
         guard.observe(32, True, 80, 0.016)
     assert not guard.plain_wins(32)
+    assert guard.summary()["32"]["retry_every"] == 8  # ... and the retries are back at their base rate
     assert guard.summary()["32"]["speculative"]["steps"] == 34
 
 

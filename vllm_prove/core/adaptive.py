@@ -287,15 +287,21 @@ class ThroughputGuard:
     step counts, in the regime it belongs to (`DepthController.observe_step`): the speculative
     regime's steps that only draft or only verify, and its steps with a prefill chunk, are part of
     what speculating costs. Where plain steps have been faster by more than `margin`,
-    `plain_wins` tells the controller to decode plainly; `RETRY_STEPS` steps in every
-    `retry_every` of that bucket still speculate, so the speculative figure keeps up with a change.
+    `plain_wins` tells the controller to decode plainly, but for a retry of `RETRY_STEPS`
+    speculative steps after `retry_every` decisions, so the speculative figure keeps up with a
+    change; each retry that leaves plain ahead doubles the wait for the next (up to
+    `max_retry_every`: at a steady high load a retry costs a few percent, every time), and one that
+    puts speculation ahead resets it.
     A cost model that misjudges the engine (a per-step cost it has no term for) thus cannot keep a
     load slower than plain decoding for long."""
 
-    def __init__(self, decay: float = 0.95, margin: float = 0.02, min_steps: int = 4, retry_every: int = 32) -> None:
-        self.decay, self.margin, self.min_steps, self.retry_every = decay, margin, min_steps, retry_every
+    def __init__(self, decay: float = 0.95, margin: float = 0.02, min_steps: int = 4, retry_every: int = 32,
+                 max_retry_every: int = 512) -> None:
+        self.decay, self.margin, self.min_steps = decay, margin, min_steps
+        self.retry_every, self.max_retry_every = retry_every, max_retry_every
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
-        self._forced: Counter = Counter()  # bucket -> plain decisions forced so far
+        self._forced: Counter = Counter()  # bucket -> decisions since its last retry ended
+        self._period: dict[int, int] = {}  # bucket -> decisions from one retry's end to the next's
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -326,11 +332,17 @@ class ThroughputGuard:
 
     def plain_wins(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now (False on a retry step)."""
-        if not self.plain_faster(num_requests):
-            return False
         bucket = self.bucket(num_requests)
+        if not self.plain_faster(num_requests):
+            self._forced[bucket], self._period[bucket] = 0, self.retry_every
+            return False
         self._forced[bucket] += 1
-        return self._forced[bucket] % self.retry_every >= RETRY_STEPS  # a retry: a few steps, to reach steady state
+        period = self._period.setdefault(bucket, self.retry_every)
+        if self._forced[bucket] <= period - RETRY_STEPS:
+            return True
+        if self._forced[bucket] >= period:  # the retry's last step: plain is still ahead, wait longer
+            self._forced[bucket], self._period[bucket] = 0, min(2 * period, self.max_retry_every)
+        return False  # a retry: a few speculative steps, to reach steady state
 
     def summary(self) -> dict:
         out = {}
@@ -338,6 +350,8 @@ class ThroughputGuard:
             entry = out.setdefault(str(2 ** (bucket - 1)), {})
             entry["speculative" if speculative else "plain"] = {"tok_per_req_s": round(tokens / seconds, 1),
                                                                 "steps": steps}
+            if bucket in self._period:
+                entry["retry_every"] = self._period[bucket]  # decisions between retries where plain won
         return out
 
 

@@ -436,6 +436,8 @@ class DepthController:
             near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}
             d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
             return Decision({r: d for r in request_ids}, d, True)
+        if self.guard.plain_wins(len(request_ids)):  # realized: plain decoding is faster here (no solve)
+            return Decision(dict.fromkeys(request_ids, 0), 0, False)
         key = tuple(request_ids)
         if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
             # a new fit, or other requests: solve again; else the same requests keep their depths
@@ -447,8 +449,6 @@ class DepthController:
             depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
         _, depths, d = self._cached
-        if d > 0 and self.guard.plain_wins(len(request_ids)):  # realized: plain decoding is faster here
-            return Decision(dict.fromkeys(request_ids, 0), 0, False)
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
 

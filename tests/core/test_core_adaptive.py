@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core.adaptive import (RETRY_STEPS, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+from vllm_prove.core.adaptive import (RETRY_STEPS, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
                                       StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
@@ -372,3 +372,22 @@ def test_controller_decodes_plainly_where_the_realized_rate_says_so():
     plans = [ctrl.decide(["a", "b"]) for _ in range(32)]
     plain = sum(p.draft_depth == 0 and set(p.depths.values()) == {0} for p in plans)
     assert 26 <= plain <= 31  # plain, but for the retries
+
+
+def test_step_summary_keeps_counts_current_and_refreshes_estimates_every_few_steps():
+    """The summary every SchedulerOutput carries: decision counts exact at every step (a run's
+    share is a difference of two of them), the estimates as of at most SUMMARY_EVERY steps ago."""
+    ctrl = _feed(DepthController(4, PAR), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 40, ["a", "b"])
+    first = ctrl.step_summary()
+    assert first == ctrl.summary(refit=False)
+    for step in range(1, 2 * SUMMARY_EVERY + 1):
+        ctrl.decide(["a", "b"])
+        ctrl.observe_step(StepShape.of(2, 0, 0, PAR), 0.002 * step, 2)  # the realized plain rate moves
+        s = ctrl.step_summary()
+        full = ctrl.summary(refit=False)
+        assert {k: s[k] for k in ("policy", "steps", "depths", "draft_depths")} == \
+               {k: full[k] for k in ("policy", "steps", "depths", "draft_depths")}
+        refreshed = step % SUMMARY_EVERY == 0
+        assert (s["realized"] == full["realized"]) == refreshed
+        if not refreshed:
+            assert s["realized"] == ctrl.step_summary()["realized"]  # the cached estimates

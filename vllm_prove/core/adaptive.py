@@ -40,6 +40,7 @@ import torch
 
 RETRY_STEPS = 4  # consecutive speculative steps of a guard retry (the first only drafts)
 PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
+SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
 
 
@@ -402,6 +403,7 @@ class DepthController:
         self._last_draft_depth = self.choices[-1]
         self._cached: tuple = ((), {}, 0)  # (request ids, their depths, draft depth) of the last solve
         self._rng = random.Random(seed)
+        self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
 
     def decide(self, request_ids: list, pinned=frozenset()) -> Decision:
         """Depths for the decoding ``request_ids``. While any ``pinned`` request runs (decoding or
@@ -483,17 +485,31 @@ class DepthController:
 
     def summary(self, refit: bool = True) -> dict:
         """Decisions so far and the cost estimates (JSON-ready); ``refit=False`` reports the fit the
-        measured decisions use instead of fitting again (cheap enough for every step)."""
+        measured decisions use instead of fitting again."""
         cost = self.costs.fit() if refit and self.costs.count else self.last_cost
+        return self._counts() | {
+            "cost": None if cost is None else {name: getattr(cost, name) for name in COST_TERMS},
+            "acceptance": [round(a, 4) for a in self.tracker._population().tolist()],
+            "realized": self.guard.summary(),
+        }
+
+    def step_summary(self) -> dict:
+        """``summary(refit=False)`` for every engine step: the decision counts are current, the
+        estimates (cost, acceptance, realized rates) are refreshed every ``SUMMARY_EVERY`` steps.
+        Building those every step took 0.5 ms of the engine-core process at 16 in flight, about
+        7% of a plain step there (docs/BENCHMARKS.md, session 9)."""
+        if self._estimates is None or self.steps - self._estimates[0] >= SUMMARY_EVERY:
+            full = self.summary(refit=False)
+            self._estimates = (self.steps, {k: full[k] for k in ("cost", "acceptance", "realized")})
+        return self._counts() | self._estimates[1]
+
+    def _counts(self) -> dict:
         return {
             "policy": self.policy,
             "steps": self.steps,
             # JSON object keys: the depth as a string
             "depths": {str(k): int(v) for k, v in sorted(self.depth_counts.items())},
             "draft_depths": {str(k): int(v) for k, v in sorted(self.draft_depth_counts.items())},
-            "cost": None if cost is None else {name: getattr(cost, name) for name in COST_TERMS},
-            "acceptance": [round(a, 4) for a in self.tracker.population().tolist()],
-            "realized": self.guard.summary(),
         }
 
 

@@ -33,8 +33,9 @@ the mask KV a shorter verification leaves behind lies past the next verification
 
 Observability: the decisions and the cost estimates are logged every ``LOG_EVERY_S`` seconds, vLLM's
 spec-decode counters carry the mean verify depth (``num_draft_tokens / num_drafts``), and every
-``SchedulerOutput`` carries ``DepthController.summary()`` to the workers (attribute
-``SUMMARY_ATTR``, a few hundred bytes), where ``LLM.collective_rpc("prove_adaptive_summary")``
+``SchedulerOutput`` carries ``DepthController.step_summary()`` to the workers (attribute
+``SUMMARY_ATTR``, a few hundred bytes; the decision counts current, the estimates refreshed every
+16 steps), where ``LLM.collective_rpc("prove_adaptive_summary")``
 reads the latest.
 """
 
@@ -92,7 +93,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             if not pinned and any(seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
                 draft_depth = self.num_spec_tokens  # a seeded sampler admitted in this very step
             output.num_spec_tokens_to_schedule = min(draft_depth, self.num_spec_tokens)
-        setattr(output, SUMMARY_ATTR, self.depth.summary(refit=False) | {"overhead_ms": self._overhead_ms()})
+        setattr(output, SUMMARY_ATTR, self.depth.step_summary() | {"overhead_ms": self._overhead_ms()})
         self._own_seconds += (mid - start) + (time.perf_counter() - end)
         return output
 

@@ -130,6 +130,13 @@ def test_engine_bench_rows_memory_and_plot(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_interleaved_bench_is_refused_on_a_gpu_before_any_engine_starts(monkeypatch):
+    monkeypatch.setattr(engine_bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_bench, "_start", lambda *a: pytest.fail("an engine was started"))
+    with pytest.raises(engine_bench.ProveError, match=r"^--interleave: every engine is up at once"):
+        engine_bench.run_engine_bench(["x"], in_flight=(1,), runs=engine_bench.ENGINE_RUNS[:1], interleave=True)
+
+
 def test_interleaved_bench_takes_turns_with_every_engine_up(tmp_path, monkeypatch):
     """`--interleave`: both engines are up at once and repeat i drives AR, then the other engine
     (the default runs each engine's repeats back to back, one engine at a time)."""

@@ -241,10 +241,13 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     Engines run one after another by default, each doing its repeats back to back. With
     `interleave` every engine is up at once and they take turns: repeat i drives AR, then each
     other engine, `IDLE_S` apart, so a ratio compares runs seconds apart, not minutes (this
-    machine's speed drifts by 10-30% over minutes). It needs the memory of all engines at once
-    (on a GPU, a `gpu_memory_utilization` share each)."""
+    machine's speed drifts by 10-30% over minutes). It needs the memory of all engines at once,
+    so it runs on the CPU only (each GPU engine takes vLLM's `gpu_memory_utilization` of 0.9)."""
     if repeats < 1:
         raise ProveError(f"--repeats: at least 1, got {repeats}")
+    if interleave and torch.cuda.is_available():
+        raise ProveError("--interleave: every engine is up at once, and on a GPU each one takes 90% of its memory; "
+                         "run without --interleave (one engine at a time) there")
     from tqdm import tqdm
 
     from transformers import AutoModelForCausalLM

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core.adaptive import (RETRY_STEPS, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+from vllm_prove.core.adaptive import (SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
                                       StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
@@ -171,6 +171,13 @@ def test_step_shapes_of_both_drafters():
     assert StepShape.of(1, 0, 2, PAR, extra_rows=30).rows == 31
 
 
+def _past_probe(ctrl, requests):
+    """The controller after its start-up probe (whose steps the throughput guard does not count)."""
+    for _ in range(len(ctrl.probe) + 1):
+        ctrl.decide(requests)
+    return ctrl
+
+
 def _feed(ctrl, truth, accept, steps, requests):
     """Run the controller against a simulated engine: steps cost `truth`, each draft position is
     accepted with probability `accept` once the earlier ones were (seeded)."""
@@ -198,7 +205,7 @@ def test_guard_learns_the_plain_rate_of_vllms_draft_model_too():
     plain rate is never known and a plain probe step runs every PLAIN_PROBE_EVERY steps forever);
     a step that only verifies belongs to the speculative regime (it commits what the step before
     drafted)."""
-    ctrl = DepthController(5, SEQ)
+    ctrl = _past_probe(DepthController(5, SEQ), ["a"])
     for _ in range(4):
         ctrl.observe_step(StepShape.of(1, 0, 0, SEQ), 0.003, 1)  # plain: one token, one re-read pass
     assert ctrl.guard.knows(1, speculative=False) and not ctrl.guard.knows(1, speculative=True)
@@ -238,7 +245,10 @@ def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     _feed(ctrl, cost, 0.9, 30, ["a", "b"])
     explored = [ctrl.decide(["a", "b"]).explored for _ in range(10)]  # steps 30..39
-    assert explored == [s % 5 == 0 for s in range(30, 40)]
+    # every 5th step explores; every 8th is a plain probe while the load's plain rate is unknown
+    # (the start-up probe's steps do not count for it)
+    assert not ctrl.guard.knows(2, speculative=False)
+    assert explored == [s % 5 == 0 or s % 8 == 0 for s in range(30, 40)]
     # a load whose plain rate the guard has not measured gets a plain step every 8th step
     plans = [ctrl.decide(["a", "b", "c", "d"]) for _ in range(16)]  # steps 40..55: bucket 4-7 is new
     assert [p.draft_depth == 0 and p.explored for p in plans] == [s % 8 == 0 for s in range(40, 56)]
@@ -306,23 +316,76 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
     guard.observe(32, False, 32, 0.010)
     guard.observe(32, True, 40, 0.016)
     assert guard.rate(32, False) == pytest.approx(100) and guard.rate(32, True) == pytest.approx(2500 / 32)
-    # a retry is RETRY_STEPS = 4 speculative steps after retry_every decisions; each retry that
-    # leaves plain ahead doubles the wait for the next
-    assert RETRY_STEPS == 4
-    assert [guard.plain_wins(32) for _ in range(8 + 16)] == [True] * 4 + [False] * 4 + [True] * 12 + [False] * 4
-    default = ThroughputGuard(min_steps=1)
-    default.observe(8, False, 8, 0.001)
-    default.observe(8, True, 8, 0.010)
-    retries = [default.plain_wins(8) for _ in range(32 + 64 + 128 + 256 + 512 + 512)]
-    assert retries.count(False) == 6 * RETRY_STEPS and retries[28:32] == [False] * 4 and retries[92:96] == [False] * 4
-    assert retries[-4:] == [False] * 4 and retries[-516:-512] == [False] * 4  # capped at max_retry_every = 512
+    # plain for retry_every decisions, then a retry: speculation's rate is forgotten, and
+    # speculation runs until min_steps steps have measured it again
+    assert [guard.plain_wins(32) for _ in range(8)] == [True] * 8
+    assert not guard.plain_wins(32) and not guard.knows(32, speculative=True)
+    for _ in range(3):
+        guard.observe(32, True, 40, 0.016)
+        assert not guard.plain_wins(32)  # still measuring
+    guard.observe(32, True, 40, 0.016)
+    # plain is still ahead: plain again, and the wait for the next retry doubles
+    assert [guard.plain_wins(32) for _ in range(16)] == [True] * 16 and not guard.plain_wins(32)
+    # the second retry is on: speculation's rate is unknown again
+    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4}, "retry_every": 16, "retries": 2}
     assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
-    for _ in range(30):  # speculation becomes the faster mode (recent steps weigh most)
+    for _ in range(4):  # this retry finds speculation faster (80 tokens per step)
         guard.observe(32, True, 80, 0.016)
-    assert not guard.plain_wins(32)
+    assert not guard.plain_wins(32) and not guard.plain_wins(32)  # speculation stays on
     assert guard.summary()["32"]["retry_every"] == 8  # ... and the retries are back at their base rate
-    assert guard.summary()["32"]["speculative"]["steps"] == 34
+    assert guard.summary()["32"]["speculative"]["steps"] == 4
+
+
+def test_guard_retries_back_off_to_a_cap_where_plain_stays_ahead():
+    guard = ThroughputGuard(min_steps=1)
+    guard.observe(8, False, 8, 0.001)
+    guard.observe(8, True, 8, 0.010)
+    decisions = []
+    for _ in range(32 + 64 + 128 + 256 + 512 + 512 + 6):
+        decisions.append(guard.plain_wins(8))
+        if not decisions[-1]:
+            guard.observe(8, True, 8, 0.010)  # each retry measures one slow speculative step
+    retries = [i for i, plain in enumerate(decisions) if not plain]
+    # each retry takes one decision (min_steps = 1); the waits double from 32 to the 512 cap
+    assert [b - a - 1 for a, b in zip(retries, retries[1:])] == [64, 128, 256, 512, 512]
+    assert retries[0] == 32 and guard.summary()["8"]["retries"] == 6
+
+
+def test_guard_skips_the_start_up_probe_and_the_switch_into_speculation():
+    """The probe's steps (every depth in turn, each shape's first passes: slow on a CPU) and the
+    step that switches from plain to speculative (it drafts; nothing was drafted for it to verify)
+    are no regime's steady cost; a step that only drafts while speculating (a prompt admitted
+    alone) is part of the speculative regime."""
+    ctrl = DepthController(4, PAR)
+    for _ in range(len(ctrl.probe)):
+        ctrl.decide(["a"])
+        ctrl.observe_step(StepShape.of(1, 4, 4, PAR, spec_requests=1), 0.05, 1)
+    assert ctrl.guard.summary() == {}
+    ctrl.decide(["a"])
+    ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1)  # plain
+    ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.006, 1)  # the switch
+    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}, "retry_every": 32,
+                                          "retries": 0}}
+    ctrl.observe_step(StepShape.of(1, 4, 4, PAR, spec_requests=1), 0.008, 4)  # verify and draft
+    ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.005, 1)  # drafts only, while speculating
+    assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2}
+
+
+def test_a_retry_judges_speculation_by_its_own_steps_not_a_stale_estimate():
+    """Speculation looked slow once (a few unlucky steps, the first passes at new shapes); a retry
+    forgets that and measures it again, so a load that now speculates faster does so from the
+    first retry on, not after old steps have decayed away over many retries."""
+    guard = ThroughputGuard(retry_every=8)
+    for _ in range(30):
+        guard.observe(1, False, 1, 0.004)  # plain: 250 tok/s
+        guard.observe(1, True, 1, 0.008)  # speculation once: 125 tok/s
+    assert all(guard.plain_wins(1) for _ in range(8))
+    assert not guard.plain_wins(1)  # the retry
+    for _ in range(4):
+        guard.observe(1, True, 3, 0.006)  # speculation now: 500 tok/s
+    assert not any(guard.plain_wins(1) for _ in range(50))
+    assert guard.rate(1, speculative=True) == pytest.approx(500)
 
 
 def test_guard_rates_are_per_request_so_loads_in_one_bucket_compare_fairly():
@@ -354,8 +417,8 @@ def test_guard_charges_the_speculative_regime_for_its_draft_only_and_prefill_ste
         ctrl.observe_step(draft_only, 0.016, 16)
         ctrl.observe_step(prefill, 0.036, 46)
     assert ctrl.guard.plain_faster(16)
-    plans = [ctrl.decide(many) for _ in range(32)]
-    assert sum(p.draft_depth == 0 for p in plans) == 32 - RETRY_STEPS
+    plans = [ctrl.decide(many) for _ in range(33)]
+    assert all(p.draft_depth == 0 for p in plans[:32]) and plans[32].draft_depth > 0  # plain, then a retry
 
 
 def test_controller_decodes_plainly_where_the_realized_rate_says_so():
@@ -369,9 +432,9 @@ def test_controller_decodes_plainly_where_the_realized_rate_says_so():
     for _ in range(8):
         ctrl.guard.observe(2, False, 2, 0.001)  # 2000 tok/s realized plain
         ctrl.guard.observe(2, True, 6, 0.010)  # 600 tok/s realized speculative
-    plans = [ctrl.decide(["a", "b"]) for _ in range(32)]
-    plain = sum(p.draft_depth == 0 and set(p.depths.values()) == {0} for p in plans)
-    assert 26 <= plain <= 31  # plain, but for the retries
+    plans = [ctrl.decide(["a", "b"]) for _ in range(33)]
+    assert all(p.draft_depth == 0 and set(p.depths.values()) == {0} for p in plans[:32])
+    assert plans[32].draft_depth > 0  # a retry: speculation measured again
 
 
 def test_step_summary_keeps_counts_current_and_refreshes_estimates_every_few_steps():

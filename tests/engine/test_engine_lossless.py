@@ -125,12 +125,18 @@ def plain(cases) -> Run:
 
 @pytest.fixture(scope="module")
 def lossless(cases, plain, zoo_models) -> Run:  # `plain` first: one engine at a time
+    from vllm import SamplingParams
+
     run = Run()
     # turned on the way `vllm serve --speculative-config` does (the gated modes' tests use additional_config)
     with engine(speculative_config=LOSSLESS_SPECULATIVE_CONFIG, **PER_REQUEST_METRICS) as llm:
         run.probe = llm.collective_rpc("prove_probe")[0]
         run.abort = abort_mid_generation(llm, cases)  # the greedy runs then show it keeps serving
         _greedy_runs(llm, cases, run)
+        # The workers hold the summary that the last scheduled step carried, built before that
+        # step's verifications; a one-token request (a prefill: nothing to verify) carries one
+        # that has seen them all.
+        llm.generate([cases[0].prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
         run.adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
         run.seeded = seeded_runs(llm, _seeded_cases(cases))
@@ -223,11 +229,18 @@ def test_a_plain_step_fetches_no_drafts(random_depths, mode):
 
 def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless):
     summary = lossless.adaptive
+    print({k: summary[k] for k in ("steps", "depths", "acceptance", "realized")})
     assert summary["policy"] == "measured" and summary["steps"] > 100
     assert all(0 <= int(k) <= BLOCK_SIZE for k in summary["depths"]) and sum(summary["depths"].values()) > 0
     assert summary["cost"] is not None and summary["cost"]["c_0"] + summary["cost"]["c_row"] > 0
-    # acceptance of the first draft (the AR head's own token) is measured as ~1
-    assert summary["acceptance"][0] > 0.9
+    # The controller counts every verification vLLM's own spec-decode counters count, with the
+    # same outcome (a stop inside an accepted block included)
+    vllm_counts = lossless.summary
+    assert summary["verified_per_position"][0] == vllm_counts.num_drafts
+    assert summary["accepted_per_position"] == vllm_counts.accepted_per_position
+    # One request in flight speculates: the start-up probe's slow first passes do not turn it plain
+    # (speculation is ~1.5x plain decoding there, docs/BENCHMARKS.md)
+    assert summary["realized"]["1"]["speculative"]["steps"] > summary["realized"]["1"]["plain"]["steps"]
 
 
 def test_plain_greedy_is_batch_invariant_here(plain, cases, zoo_models):
@@ -261,12 +274,16 @@ def test_abort_mid_generation_frees_every_kv_block(lossless):
 
 def test_metrics_committed_per_cycle_and_per_position(lossless, cases):
     summary = lossless.summary
+    print(f"drafts {summary.num_drafts}, draft tokens {summary.num_draft_tokens}, "
+          f"accepted per position {summary.accepted_per_position}")
     # the adaptive depth (on by default) verifies 1..8 drafts per request and step
     assert summary.num_drafts > 0 and summary.num_drafts <= summary.num_draft_tokens <= 8 * summary.num_drafts
-    # d_1 comes from the AR head on the real context: greedy verification accepts it, except
-    # in vLLM's placeholder cycles (a new request with one uncomputed token is padded with -1
-    # drafts, scheduler.py:1139-1153), which the one-token prompts and prefix hits produce.
-    assert summary.accepted_per_position[0] >= 0.99 * summary.num_drafts
+    # d_1 comes from the AR head on the real context: greedy verification accepts it (up to a
+    # genuine fp32 near-tie). vLLM pads a request admitted with one uncomputed token (the one-token
+    # prompts, prefix hits) with placeholder drafts that are always rejected; the adaptive
+    # scheduler turns that padding off.
+    print(f"first drafts rejected: {summary.num_drafts - summary.accepted_per_position[0]} of {summary.num_drafts}")
+    assert summary.num_drafts > 200 and summary.accepted_per_position[0] >= 0.99 * summary.num_drafts
     assert all(a >= b for a, b in zip(summary.accepted_per_position, summary.accepted_per_position[1:]))
     assert summary.num_accepted_tokens == sum(summary.accepted_per_position)
     assert 1.99 <= summary.committed_per_cycle <= 9.0  # >= 1 + share of accepted d_1

@@ -284,6 +284,10 @@ def test_adaptive_depth_is_the_default_and_the_fixed_depth_schedules_seeded_requ
     ({"additional_config": {"prove": {"mode": "lossless"}}, "async_scheduling": True},
      r"^async_scheduling: the adaptive depth times each step"),
     ({"additional_config": {"prove": {"mode": "lossless", "adaptive_policy": "greedy"}}}, r"adaptive_policy"),
+    ({"additional_config": {"prove": {"mode": "sd"}},
+      "speculative_config": {"method": "draft_model", "model": VERIFIER, "num_speculative_tokens": 5,
+                             "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 64, 2]]}},
+     r"^num_speculative_tokens_per_batch_size: vLLM's static batch-size table conflicts with the adaptive depth"),
 ])
 def test_bad_adaptive_settings_stop_start_up_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

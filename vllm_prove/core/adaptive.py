@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-RETRY_STEPS = 4  # consecutive speculative steps of a guard retry (the first only drafts)
 PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
@@ -285,24 +284,29 @@ class ThroughputGuard:
     buckets), the committed tokens per request-second the engine *realized* in its plain regime
     and in its speculative regime (exponentially weighted sums of tokens and of seconds times
     requests: per request, so that steps at 9 and at 15 running requests compare fairly). Every
-    step counts, in the regime it belongs to (`DepthController.observe_step`): the speculative
-    regime's steps that only draft or only verify, and its steps with a prefill chunk, are part of
-    what speculating costs. Where plain steps have been faster by more than `margin`,
-    `plain_wins` tells the controller to decode plainly, but for a retry of `RETRY_STEPS`
-    speculative steps after `retry_every` decisions, so the speculative figure keeps up with a
-    change; each retry that leaves plain ahead doubles the wait for the next (up to
-    `max_retry_every`: at a steady high load a retry costs a few percent, every time), and one that
-    puts speculation ahead resets it.
-    A cost model that misjudges the engine (a per-step cost it has no term for) thus cannot keep a
-    load slower than plain decoding for long."""
+    step of a regime counts (`DepthController.observe_step`): the speculative regime's steps that
+    only draft or only verify, and its steps with a prefill chunk, are part of what speculating
+    costs (a step with no decoding request, a prefill on an idle engine, costs the same either
+    way: the engine passes no `committed` for it). Where plain steps have been faster by more
+    than `margin`, `plain_wins` tells the
+    controller to decode plainly, but for a *retry* after `retry_every` decisions: the speculative
+    estimate of the load is forgotten and speculation runs until `min_steps` steps have measured it
+    afresh (a stale estimate, or one left by a few unlucky steps, must not outvote the present),
+    then the two rates compare again. Each retry that leaves plain ahead doubles the wait for the
+    next (up to `max_retry_every`: at a steady high load a retry costs a few percent, every time);
+    one that puts speculation ahead resets it. A cost model that misjudges the engine (a per-step
+    cost it has no term for) thus cannot keep a load slower than plain decoding for long, nor a
+    bad first impression keep it from speculating."""
 
     def __init__(self, decay: float = 0.95, margin: float = 0.02, min_steps: int = 4, retry_every: int = 32,
                  max_retry_every: int = 512) -> None:
         self.decay, self.margin, self.min_steps = decay, margin, min_steps
         self.retry_every, self.max_retry_every = retry_every, max_retry_every
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
-        self._forced: Counter = Counter()  # bucket -> decisions since its last retry ended
-        self._period: dict[int, int] = {}  # bucket -> decisions from one retry's end to the next's
+        self._forced: Counter = Counter()  # bucket -> plain decisions since its last retry
+        self._period: dict[int, int] = {}  # bucket -> plain decisions from one retry to the next
+        self._retrying: set[int] = set()  # buckets measuring speculation afresh
+        self._retries: Counter = Counter()  # bucket -> retries so far
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -332,18 +336,26 @@ class ThroughputGuard:
         return plain is not None and spec is not None and plain > spec * (1 + self.margin)
 
     def plain_wins(self, num_requests: int) -> bool:
-        """Whether this load should decode plainly now (False on a retry step)."""
+        """Whether this load should decode plainly now (False during a retry)."""
         bucket = self.bucket(num_requests)
+        period = self._period.setdefault(bucket, self.retry_every)
+        if bucket in self._retrying:
+            if not self.knows(num_requests, speculative=True):
+                return False  # the retry goes on until speculation is measured afresh
+            self._retrying.discard(bucket)
+            if self.plain_faster(num_requests):  # plain still ahead: wait longer for the next retry
+                self._forced[bucket], self._period[bucket] = 1, min(2 * period, self.max_retry_every)
+                return True
         if not self.plain_faster(num_requests):
             self._forced[bucket], self._period[bucket] = 0, self.retry_every
             return False
         self._forced[bucket] += 1
-        period = self._period.setdefault(bucket, self.retry_every)
-        if self._forced[bucket] <= period - RETRY_STEPS:
+        if self._forced[bucket] <= period:
             return True
-        if self._forced[bucket] >= period:  # the retry's last step: plain is still ahead, wait longer
-            self._forced[bucket], self._period[bucket] = 0, min(2 * period, self.max_retry_every)
-        return False  # a retry: a few speculative steps, to reach steady state
+        self._sums.pop((bucket, True), None)  # a retry: forget speculation's rate, measure it again
+        self._retrying.add(bucket)
+        self._retries[bucket] += 1
+        return False
 
     def summary(self) -> dict:
         out = {}
@@ -353,6 +365,7 @@ class ThroughputGuard:
                                                                 "steps": steps}
             if bucket in self._period:
                 entry["retry_every"] = self._period[bucket]  # decisions between retries where plain won
+                entry["retries"] = self._retries[bucket]
         return out
 
 
@@ -401,6 +414,7 @@ class DepthController:
         self.draft_depth_counts: Counter = Counter()
         self.last_cost: StepCost | None = None  # the fit the measured decisions use
         self._last_draft_depth = self.choices[-1]
+        self._observed_draft_depth = 0  # the draft depth of the last step observed
         self._cached: tuple = ((), {}, 0)  # (request ids, their depths, draft depth) of the last solve
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
@@ -439,6 +453,7 @@ class DepthController:
             d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
             return Decision({r: d for r in request_ids}, d, True)
         if self.guard.plain_wins(len(request_ids)):  # realized: plain decoding is faster here (no solve)
+            self._last_draft_depth = 0  # a prompt admitted alone meanwhile drafts nothing either
             return Decision(dict.fromkeys(request_ids, 0), 0, False)
         key = tuple(request_ids)
         if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
@@ -467,9 +482,15 @@ class DepthController:
         (to the same regime); so do steps with a prefill chunk, whose number depends on the regime
         (speculating requests finish out of step, and each finish admits a prompt on its own)."""
         self.costs.update(shape, seconds)
-        if committed is not None:
-            speculative = shape.spec_requests > 0 or shape.draft_depth > 0
-            self.guard.observe(shape.requests, speculative, committed, seconds)
+        switch = shape.spec_requests == 0 and shape.draft_depth > 0 and self._observed_draft_depth == 0
+        self._observed_draft_depth = shape.draft_depth
+        if committed is None or switch or self.steps <= len(self.probe) and self.policy == "measured":
+            # not a regime's step: the start-up probe (every depth in turn, first passes at new
+            # shapes) or a switch from plain to speculative (drafts for the next step, nothing to
+            # verify: a cost of switching, which a short retry would otherwise carry alone)
+            return
+        speculative = shape.spec_requests > 0 or shape.draft_depth > 0
+        self.guard.observe(shape.requests, speculative, committed, seconds)
 
     def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         self.observe_verifications([request_id], [num_draft_tokens], [num_accepted])
@@ -510,6 +531,10 @@ class DepthController:
             # JSON object keys: the depth as a string
             "depths": {str(k): int(v) for k, v in sorted(self.depth_counts.items())},
             "draft_depths": {str(k): int(v) for k, v in sorted(self.draft_depth_counts.items())},
+            # verifications that reached / accepted each draft position (vLLM's spec-decode
+            # counters count the same: num_drafts = verified[0], accepted_per_position)
+            "verified_per_position": [int(n) for n in self.tracker._pop_n.tolist()],
+            "accepted_per_position": [int(n) for n in self.tracker._pop_s.tolist()],
         }
 
 

@@ -70,6 +70,14 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         kind = DraftKind.PARALLEL if settings.mode is EngineMode.LOSSLESS else DraftKind.SEQUENTIAL
         self.depth = DepthController(self.num_spec_tokens, kind, policy=settings.adaptive_policy,
                                      seed=self.vllm_config.model_config.seed or 0)
+        # vLLM pads a request admitted with one uncomputed token (a one-token prompt, a prefix hit)
+        # to the full depth with placeholder drafts (-1, always rejected) so that CUDA graphs see a
+        # uniform decode batch (scheduler.py:1131-1153). Per-request depths have no uniform batch to
+        # keep: the padding would cost num_spec_tokens rows for nothing and enter the acceptance
+        # estimates as rejected drafts. vLLM skips it under its own dynamic depth, a batch-size
+        # table; declaring one (the full depth at every size; ``schedule`` sets each step's
+        # draft depth) turns it off.
+        self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
         self._plan = None
         self._step_start = 0.0
         self._pending = None  # (shape, committed, start, end) of the last step, until observed
@@ -102,13 +110,20 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         return round(1000 * self._own_seconds / max(1, self.depth.steps), 4)
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        start = time.perf_counter()
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        # the verifications vLLM's spec-decode counters count (scheduler.py:2110-2118), read before
+        # its update, which trims a request's sampled tokens in place at its stop (EOS, stop id,
+        # max_tokens: scheduler.py:2508): read after it, a stop inside an accepted block would
+        # count as rejected drafts
+        verified = [(req_id, len(drafts), len(sampled[index[req_id]]) - 1) for req_id, drafts in spec.items()
+                    if sampled and req_id in index and sampled[index[req_id]] and drafts
+                    and (request := self.requests.get(req_id)) is not None and not request.is_finished()]
+        self._own_seconds += time.perf_counter() - start
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         start = time.perf_counter()
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        verified = [(req_id, len(drafts), len(sampled[index[req_id]]) - 1) for req_id, drafts in spec.items()
-                    if sampled and req_id in index and sampled[index[req_id]]]
         if verified:
             ids, drafted, accepted = zip(*verified)
             self.depth.observe_verifications(list(ids), list(drafted), list(accepted))
@@ -120,7 +135,10 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             shape = StepShape.of(requests, num_spec, scheduler_output.num_spec_tokens_to_schedule, self.depth.kind,
                                  extra_rows=extra_rows, spec_requests=sum(1 for d in spec.values() if d))
             committed = None
-            if sampled:  # what the step committed feeds the throughput guard (prefill steps too)
+            if sampled and self._plan.depths:
+                # what a step with decoding requests committed feeds the throughput guard (prefill
+                # chunks riding along included); a step that only prefills (a prompt admitted to an
+                # idle engine) costs the same in either regime and feeds only the cost fit
                 committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
             # observed once the engine has fetched the step's drafts (a round trip to the workers
             # that is part of the step's cost), or at the next step when it fetched none

@@ -288,6 +288,13 @@ def install_executor(vllm_config, settings: ProveEngineConfig) -> None:
 
 def check_engine_config(vllm_config, settings: ProveEngineConfig) -> None:
     """Checks that need vLLM's resolved config (after ``create_engine_config``)."""
+    speculative_config = vllm_config.speculative_config
+    if settings.adaptive_on and speculative_config is not None and speculative_config.num_speculative_tokens_per_batch_size:
+        raise ProveError(
+            "num_speculative_tokens_per_batch_size: vLLM's static batch-size table conflicts with the adaptive "
+            "depth, which decides every step's depths from measured costs; drop the table, or set "
+            '"adaptive": false in the prove section to use it'
+        )
     if not settings.mode.gated:
         return
     scheduler_config = vllm_config.scheduler_config

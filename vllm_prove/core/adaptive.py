@@ -78,6 +78,7 @@ class StepShape:
     # tokens drafted per request; not a cost term (vLLM's draft model pays one pass at D = 0 and
     # D = 1 alike), but what tells a plain step (D = 0) from a drafting one
     draft_depth: int = field(default=0, compare=False)
+    prefill_rows: int = field(default=0, compare=False)  # rows of prompt chunks (a cost term like any row)
 
     @staticmethod
     def of(requests: int, spec_tokens: int, draft_depth: int, kind: DraftKind, extra_rows: int = 0,
@@ -87,10 +88,11 @@ class StepShape:
         rows = requests + spec_tokens + extra_rows
         if kind is DraftKind.PARALLEL:
             d = int(draft_depth > 0)
-            return StepShape(requests, rows, spec_requests, d, requests * draft_depth, requests * d, draft_depth)
+            return StepShape(requests, rows, spec_requests, d, requests * draft_depth, requests * d, draft_depth,
+                             extra_rows)
         # vLLM's draft model re-reads every verified row (keeping its own KV in step) even at D = 0
         return StepShape(requests, rows, spec_requests, max(draft_depth, 1),
-                         rows + requests * max(draft_depth - 1, 0), requests, draft_depth)
+                         rows + requests * max(draft_depth - 1, 0), requests, draft_depth, extra_rows)
 
     def features(self) -> np.ndarray:  # [7] float64, in COST_TERMS order
         return np.array([1.0, self.requests, self.rows, self.draft_passes, self.draft_rows, self.spec_requests,
@@ -281,14 +283,12 @@ class AcceptanceTracker:
 
 class ThroughputGuard:
     """A model-free check on the fitted policy: per load (running requests, in power-of-two
-    buckets), the committed tokens per request-second the engine *realized* in its plain regime
-    and in its speculative regime (exponentially weighted sums of tokens and of seconds times
-    requests: per request, so that steps at 9 and at 15 running requests compare fairly). Every
-    step of a regime counts (`DepthController.observe_step`): the speculative regime's steps that
-    only draft or only verify, and its steps with a prefill chunk, are part of what speculating
-    costs (a step with no decoding request, a prefill on an idle engine, costs the same either
-    way: the engine passes no `committed` for it). Where plain steps have been faster by more
-    than `margin`, `plain_wins` tells the
+    buckets), the committed tokens per request-second the engine *realized* in the decode steps
+    of its plain regime and of its speculative regime (exponentially weighted sums of tokens and
+    of seconds times requests: per request, so that steps at 9 and at 15 running requests compare
+    fairly). The speculative regime's steps that only draft or only verify count: they are part
+    of what speculating costs. What counts is chosen by `DepthController.observe_step`. Where
+    plain steps have been faster by more than `margin`, `plain_wins` tells the
     controller to decode plainly, but for a *retry* after `retry_every` decisions: the speculative
     estimate of the load is forgotten and speculation runs until `min_steps` steps have measured it
     afresh (a stale estimate, or one left by a few unlucky steps, must not outvote the present),
@@ -433,7 +433,8 @@ class DepthController:
 
     def _decide(self, request_ids: list) -> Decision:
         if not request_ids:  # a prefill-only step: its requests draft for the next one as usual
-            return Decision({}, self._last_draft_depth if self.policy == "measured" else self.choices[-1], False)
+            depth = {"measured": self._last_draft_depth, "plain": 0}.get(self.policy, self.choices[-1])
+            return Decision({}, depth, False)
         step, self.steps = self.steps, self.steps + 1
         if self.policy == "plain":
             return Decision(dict.fromkeys(request_ids, 0), 0, False)
@@ -475,19 +476,21 @@ class DepthController:
         return decision
 
     def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None) -> None:
-        """A step's shape and duration (the cost fit); with `committed` (tokens
-        the step committed) also the throughput guard, in the step's regime: plain if it verified
-        and drafted nothing, else speculative. A step that only drafts pays for tokens the next
-        step commits and one that only verifies commits what the last one paid for, so both count
-        (to the same regime); so do steps with a prefill chunk, whose number depends on the regime
-        (speculating requests finish out of step, and each finish admits a prompt on its own)."""
+        """A step's shape and duration (the cost fit); with `committed` (tokens the step
+        committed) also the throughput guard, in the step's regime: plain if it verified and
+        drafted nothing, else speculative. A step that only drafts pays for tokens the next step
+        commits and one that only verifies commits what the last one paid for, so both count (to
+        the same regime). Left out of the guard: the start-up probe's steps (every depth in turn,
+        and each shape's first passes); the switch from plain to speculative (a step that drafts
+        with nothing to verify: a cost of switching, which a short retry would carry alone); and
+        steps with a prompt chunk, which cost several decode steps and, met by chance by the few
+        plain probe steps of a speculative regime, swing that regime's plain estimate by tens of
+        percent (docs/METHODS.md §9)."""
         self.costs.update(shape, seconds)
         switch = shape.spec_requests == 0 and shape.draft_depth > 0 and self._observed_draft_depth == 0
         self._observed_draft_depth = shape.draft_depth
-        if committed is None or switch or self.steps <= len(self.probe) and self.policy == "measured":
-            # not a regime's step: the start-up probe (every depth in turn, first passes at new
-            # shapes) or a switch from plain to speculative (drafts for the next step, nothing to
-            # verify: a cost of switching, which a short retry would otherwise carry alone)
+        if committed is None or switch or shape.prefill_rows or self.steps <= len(self.probe) \
+                and self.policy == "measured":
             return
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
         self.guard.observe(shape.requests, speculative, committed, seconds)

@@ -397,11 +397,12 @@ def test_guard_rates_are_per_request_so_loads_in_one_bucket_compare_fairly():
     assert guard.bucket(9) == guard.bucket(15) and guard.plain_faster(12)
 
 
-def test_guard_compares_the_decode_steps_of_both_regimes():
-    """The speculative regime's steady steps (verify and draft) beat plain ones, but its steps
-    that only draft make it slower overall: the guard counts those, and the controller decodes
-    that load plainly. Steps with a prompt chunk count for neither regime: a plain step that
-    happens to carry one (several decode steps' cost) would drag the plain rate far down."""
+def test_guard_charges_each_regime_its_steps_but_not_a_plain_probe_its_prompt_chunk():
+    """The speculative regime's steady steps (verify and draft) beat plain ones, but its steps that
+    only draft and its prefill steps (speculating requests finish out of step, so prompts are
+    admitted one by one) make it slower overall: the guard sees the whole regime, and the
+    controller decodes that load plainly. A plain probe step that happens to carry a prompt chunk
+    (several decode steps' cost) is left out; a plain regime's prefill steps count."""
     ctrl = DepthController(8, PAR, explore_every=1000)
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     many = [f"r{i}" for i in range(16)]
@@ -409,20 +410,23 @@ def test_guard_compares_the_decode_steps_of_both_regimes():
     assert ctrl.decide(many).draft_depth > 0
     steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
     draft_only = StepShape.of(16, 0, 2, PAR)
+    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=150, spec_requests=15)
     plain = StepShape.of(16, 0, 0, PAR)
     plain_prefill = StepShape.of(16, 0, 0, PAR, extra_rows=150)
-    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=150, spec_requests=15)
     for _ in range(30):  # (the simulated steps before fade from the estimates)
-        ctrl.observe_step(plain, 0.008, 16)  # 2000 tok/s: 125 per request-second
-        ctrl.observe_step(plain_prefill, 0.040, 16)  # counted, the plain rate would read 42
+        ctrl.observe_step(plain, 0.008, 16, explored=True)  # a plain probe: 2000 tok/s, 125 per request-second
+        ctrl.observe_step(plain_prefill, 0.040, 16, explored=True)  # counted, the plain rate would read 42
         ctrl.observe_step(steady, 0.020, 48)  # 2400 tok/s: the steady steps alone would keep speculating
         ctrl.observe_step(draft_only, 0.016, 16)
-        ctrl.observe_step(spec_prefill, 0.040, 46)
+        ctrl.observe_step(spec_prefill, 0.036, 46)
     assert ctrl.guard.rate(16, speculative=False) == pytest.approx(125, rel=0.05)
-    assert ctrl.guard.rate(16, speculative=True) == pytest.approx(64 / 0.576, rel=0.05)
+    assert ctrl.guard.rate(16, speculative=True) == pytest.approx(110 / (0.072 * 16), rel=0.05)
     assert ctrl.guard.plain_faster(16)
     plans = [ctrl.decide(many) for _ in range(33)]
     assert all(p.draft_depth == 0 for p in plans[:32]) and plans[32].draft_depth > 0  # plain, then a retry
+    for _ in range(10):  # in the plain regime its prefill steps count
+        ctrl.observe_step(plain_prefill, 0.040, 16)
+    assert ctrl.guard.rate(16, speculative=False) < 100
 
 
 def test_controller_decodes_plainly_where_the_realized_rate_says_so():

@@ -283,11 +283,12 @@ class AcceptanceTracker:
 
 class ThroughputGuard:
     """A model-free check on the fitted policy: per load (running requests, in power-of-two
-    buckets), the committed tokens per request-second the engine *realized* in the decode steps
-    of its plain regime and of its speculative regime (exponentially weighted sums of tokens and
-    of seconds times requests: per request, so that steps at 9 and at 15 running requests compare
-    fairly). The speculative regime's steps that only draft or only verify count: they are part
-    of what speculating costs. What counts is chosen by `DepthController.observe_step`. Where
+    buckets), the committed tokens per request-second the engine *realized* in its plain regime
+    and in its speculative regime (exponentially weighted sums of tokens and of seconds times
+    requests: per request, so that steps at 9 and at 15 running requests compare fairly). The
+    speculative regime's steps that only draft or only verify, and its steps with a prefill chunk,
+    are part of what speculating costs; which steps count is `DepthController.observe_step`'s
+    choice. Where
     plain steps have been faster by more than `margin`, `plain_wins` tells the
     controller to decode plainly, but for a *retry* after `retry_every` decisions: the speculative
     estimate of the load is forgotten and speculation runs until `min_steps` steps have measured it
@@ -475,24 +476,28 @@ class DepthController:
         self.draft_depth_counts[decision.draft_depth] += 1
         return decision
 
-    def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None) -> None:
+    def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None,
+                     explored: bool = False) -> None:
         """A step's shape and duration (the cost fit); with `committed` (tokens the step
         committed) also the throughput guard, in the step's regime: plain if it verified and
-        drafted nothing, else speculative. A step that only drafts pays for tokens the next step
-        commits and one that only verifies commits what the last one paid for, so both count (to
-        the same regime). Left out of the guard: the start-up probe's steps (every depth in turn,
-        and each shape's first passes); the switch from plain to speculative (a step that drafts
-        with nothing to verify: a cost of switching, which a short retry would carry alone); and
-        steps with a prompt chunk, which cost several decode steps and, met by chance by the few
-        plain probe steps of a speculative regime, swing that regime's plain estimate by tens of
-        percent (docs/METHODS.md §9)."""
+        drafted nothing, else speculative. Every step of a regime counts: a step that only drafts
+        pays for tokens the next step commits and one that only verifies commits what the last
+        one paid for, and steps with a prompt chunk are more frequent when speculating (requests
+        finish out of step, and each finish admits a prompt into a step of its own that carries
+        the whole batch, where plain decoding admits a finished wave together). Left out of the
+        guard: the start-up probe's steps (every depth in turn, and each shape's first passes);
+        the switch from plain to speculative (a step that drafts with nothing to verify: a cost
+        of switching, which a short retry would carry alone); and a plain step that was
+        `explored` (a probe in a speculative regime) and carries a prompt chunk: it costs several
+        decode steps, and met by chance by one of a few probes it would drag the plain rate far
+        down (docs/METHODS.md §9)."""
         self.costs.update(shape, seconds)
         switch = shape.spec_requests == 0 and shape.draft_depth > 0 and self._observed_draft_depth == 0
         self._observed_draft_depth = shape.draft_depth
-        if committed is None or switch or shape.prefill_rows or self.steps <= len(self.probe) \
-                and self.policy == "measured":
-            return
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
+        if committed is None or switch or (explored and shape.prefill_rows and not speculative) \
+                or self.steps <= len(self.probe) and self.policy == "measured":
+            return
         self.guard.observe(shape.requests, speculative, committed, seconds)
 
     def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:

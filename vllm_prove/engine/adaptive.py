@@ -142,7 +142,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                 committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
             # observed once the engine has fetched the step's drafts (a round trip to the workers
             # that is part of the step's cost), or at the next step when it fetched none
-            self._pending = (shape, committed, self._step_start, time.perf_counter())
+            self._pending = (shape, committed, self._plan.explored, self._step_start, time.perf_counter())
         self._plan = None
         self._own_seconds += time.perf_counter() - start
         return outputs
@@ -156,9 +156,9 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         """Feed the last step to the controller: from the start of its ``schedule`` to the end of
         its ``update_from_output``, and on through the draft fetch when there was one."""
         start = time.perf_counter()
-        shape, committed, step_start, step_end = self._pending
+        shape, committed, explored, step_start, step_end = self._pending
         self._pending = None
-        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed)
+        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed, explored)
         self._maybe_log()
         self._own_seconds += time.perf_counter() - start
 

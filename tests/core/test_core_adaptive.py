@@ -324,32 +324,47 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
         guard.observe(32, True, 40, 0.016)
         assert not guard.plain_wins(32)  # still measuring
     guard.observe(32, True, 40, 0.016)
-    # plain is still ahead: plain again, and the wait for the next retry doubles
-    assert [guard.plain_wins(32) for _ in range(16)] == [True] * 16 and not guard.plain_wins(32)
-    # the second retry is on: speculation's rate is unknown again
-    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4}, "retry_every": 16, "retries": 2}
+    assert guard.plain_wins(32)  # plain is still ahead: plain again
+    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4},
+                                     "speculative": {"tok_per_req_s": 78.1, "steps": 4}, "retries": 1, "retry_ms": 64.0}
     assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
+    # the next retry waits for 19 x the last one's 64 ms of plain steps (a 5% budget)
+    guard.observe(32, False, 32, 0.010)
+    plain_steps = 1
+    while guard.plain_wins(32):
+        guard.observe(32, False, 32, 0.010)
+        plain_steps += 1
+    assert plain_steps == 122  # 1.22 s >= 19 x 64 ms: the second retry
     for _ in range(4):  # this retry finds speculation faster (80 tokens per step)
         guard.observe(32, True, 80, 0.016)
     assert not guard.plain_wins(32) and not guard.plain_wins(32)  # speculation stays on
-    assert guard.summary()["32"]["retry_every"] == 8  # ... and the retries are back at their base rate
-    assert guard.summary()["32"]["speculative"]["steps"] == 4
+    assert guard.summary()["32"]["speculative"] == {"tok_per_req_s": 156.2, "steps": 4}
 
 
-def test_guard_retries_back_off_to_a_cap_where_plain_stays_ahead():
-    guard = ThroughputGuard(min_steps=1)
-    guard.observe(8, False, 8, 0.001)
-    guard.observe(8, True, 8, 0.010)
-    decisions = []
-    for _ in range(32 + 64 + 128 + 256 + 512 + 512 + 6):
-        decisions.append(guard.plain_wins(8))
-        if not decisions[-1]:
-            guard.observe(8, True, 8, 0.010)  # each retry measures one slow speculative step
-    retries = [i for i, plain in enumerate(decisions) if not plain]
-    # each retry takes one decision (min_steps = 1); the waits double from 32 to the 512 cap
-    assert [b - a - 1 for a, b in zip(retries, retries[1:])] == [64, 128, 256, 512, 512]
-    assert retries[0] == 32 and guard.summary()["8"]["retries"] == 6
+def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
+    """A retry of 4 speculative steps waits for 19 times its time in plain steps, so retries take
+    5% of the time: where a speculative step costs four plain ones (a high load) one retry comes
+    every 316 steps, where it costs about one plain step every 88."""
+    def gaps(spec_seconds):
+        guard = ThroughputGuard(min_steps=4)
+        for _ in range(4):
+            guard.observe(8, False, 8, 0.010)
+            guard.observe(8, True, 8, spec_seconds)  # slower than plain either way
+        decisions = []
+        for _ in range(2000):
+            plain = guard.plain_wins(8)
+            decisions.append(plain)
+            guard.observe(8, not plain, 8, 0.010 if plain else spec_seconds)
+        starts = [i for i, (a, b) in enumerate(zip([True] + decisions, decisions)) if a and not b]
+        steady = decisions[starts[1]:starts[-1]]  # whole cycles after the first retry
+        spec_time = spec_seconds * steady.count(False)
+        return starts, spec_time / (spec_time + 0.010 * steady.count(True))
+    dear, dear_share = gaps(0.041)
+    assert {b - a for a, b in zip(dear, dear[1:])} == {4 + 312} and 0.045 < dear_share <= 0.05  # 19 x 0.164 s
+    cheap, cheap_share = gaps(0.011)
+    assert {b - a for a, b in zip(cheap, cheap[1:])} == {4 + 84} and 0.045 < cheap_share <= 0.05
+    assert dear[0] == cheap[0] == 32  # the first retry: after retry_every plain decisions
 
 
 def test_guard_skips_the_start_up_probe_and_the_switch_into_speculation():
@@ -365,8 +380,7 @@ def test_guard_skips_the_start_up_probe_and_the_switch_into_speculation():
     ctrl.decide(["a"])
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1)  # plain
     ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.006, 1)  # the switch
-    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}, "retry_every": 32,
-                                          "retries": 0}}
+    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
     ctrl.observe_step(StepShape.of(1, 4, 4, PAR, spec_requests=1), 0.008, 4)  # verify and draft
     ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.005, 1)  # drafts only, while speculating
     assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2}

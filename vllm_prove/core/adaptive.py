@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation
 PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
@@ -288,24 +289,31 @@ class ThroughputGuard:
     requests: per request, so that steps at 9 and at 15 running requests compare fairly). The
     speculative regime's steps that only draft or only verify, and its steps with a prefill chunk,
     are part of what speculating costs; which steps count is `DepthController.observe_step`'s
-    choice. Where
-    plain steps have been faster by more than `margin`, `plain_wins` tells the
-    controller to decode plainly, but for a *retry* after `retry_every` decisions: the speculative
-    estimate of the load is forgotten and speculation runs until `min_steps` steps have measured it
-    afresh (a stale estimate, or one left by a few unlucky steps, must not outvote the present),
-    then the two rates compare again. Each retry that leaves plain ahead doubles the wait for the
-    next (up to `max_retry_every`: at a steady high load a retry costs a few percent, every time);
-    one that puts speculation ahead resets it. A cost model that misjudges the engine (a per-step
+    choice. Where plain steps have been faster by more than `margin`, `plain_wins` tells the
+    controller to decode plainly, but for a *retry* now and then: the speculative estimate of the
+    load is forgotten and speculation runs until `min_steps` steps have measured it afresh (a
+    stale estimate, or one left by a few unlucky steps, must not outvote the present), then the
+    two rates compare again.
+
+    A retry is due after `retry_every` plain decisions *and* once the plain regime has run
+    `1 / retry_budget - 1` times as long as the last retry took, so retries take at most
+    `retry_budget` of the time wherever plain decoding wins. At a high load a speculative step
+    costs several plain ones and so does a retry: there they are rare. Where they are cheap they
+    come often, so a change of load or of the machine is noticed soon. A retry that puts
+    speculation ahead ends the plain regime. A cost model that misjudges the engine (a per-step
     cost it has no term for) thus cannot keep a load slower than plain decoding for long, nor a
     bad first impression keep it from speculating."""
 
     def __init__(self, decay: float = 0.95, margin: float = 0.02, min_steps: int = 4, retry_every: int = 32,
-                 max_retry_every: int = 512) -> None:
+                 retry_budget: float = RETRY_BUDGET) -> None:
+        if not 0 < retry_budget < 1:
+            raise ValueError(f"retry_budget must be in (0, 1), got {retry_budget}")
         self.decay, self.margin, self.min_steps = decay, margin, min_steps
-        self.retry_every, self.max_retry_every = retry_every, max_retry_every
+        self.retry_every, self.retry_budget = retry_every, retry_budget
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
         self._forced: Counter = Counter()  # bucket -> plain decisions since its last retry
-        self._period: dict[int, int] = {}  # bucket -> plain decisions from one retry to the next
+        self._plain_seconds: Counter = Counter()  # bucket -> seconds of plain steps since its last retry
+        self._retry_seconds: Counter = Counter()  # bucket -> seconds its last (or current) retry took
         self._retrying: set[int] = set()  # buckets measuring speculation afresh
         self._retries: Counter = Counter()  # bucket -> retries so far
 
@@ -313,10 +321,19 @@ class ThroughputGuard:
     def bucket(num_requests: int) -> int:
         return max(1, num_requests).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | ...
 
-    def observe(self, num_requests: int, speculative: bool, committed: int, seconds: float) -> None:
+    def observe(self, num_requests: int, speculative: bool, committed: int, seconds: float,
+                counted: bool = True) -> None:
+        """A step: its time always counts towards the retry budget; its rate only if `counted`."""
         if seconds <= 0 or num_requests <= 0:
             return
-        sums = self._sums.setdefault((self.bucket(num_requests), speculative), [0.0, 0.0, 0])
+        bucket = self.bucket(num_requests)
+        if bucket in self._retrying:
+            self._retry_seconds[bucket] += seconds
+        elif not speculative:
+            self._plain_seconds[bucket] += seconds
+        if not counted:
+            return
+        sums = self._sums.setdefault((bucket, speculative), [0.0, 0.0, 0])
         sums[0] = self.decay * sums[0] + committed
         sums[1] = self.decay * sums[1] + seconds * num_requests
         sums[2] += 1
@@ -339,23 +356,24 @@ class ThroughputGuard:
     def plain_wins(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now (False during a retry)."""
         bucket = self.bucket(num_requests)
-        period = self._period.setdefault(bucket, self.retry_every)
         if bucket in self._retrying:
             if not self.knows(num_requests, speculative=True):
                 return False  # the retry goes on until speculation is measured afresh
             self._retrying.discard(bucket)
-            if self.plain_faster(num_requests):  # plain still ahead: wait longer for the next retry
-                self._forced[bucket], self._period[bucket] = 1, min(2 * period, self.max_retry_every)
+            if self.plain_faster(num_requests):  # plain still ahead: back to plain, the budget restarts
+                self._forced[bucket], self._plain_seconds[bucket] = 1, 0.0
                 return True
         if not self.plain_faster(num_requests):
-            self._forced[bucket], self._period[bucket] = 0, self.retry_every
+            self._forced[bucket], self._plain_seconds[bucket] = 0, 0.0
             return False
         self._forced[bucket] += 1
-        if self._forced[bucket] <= period:
+        wait = self._retry_seconds[bucket] * (1 / self.retry_budget - 1)
+        if self._forced[bucket] <= self.retry_every or self._plain_seconds[bucket] < wait:
             return True
         self._sums.pop((bucket, True), None)  # a retry: forget speculation's rate, measure it again
         self._retrying.add(bucket)
         self._retries[bucket] += 1
+        self._retry_seconds[bucket] = 0.0
         return False
 
     def summary(self) -> dict:
@@ -364,9 +382,9 @@ class ThroughputGuard:
             entry = out.setdefault(str(2 ** (bucket - 1)), {})
             entry["speculative" if speculative else "plain"] = {"tok_per_req_s": round(tokens / seconds, 1),
                                                                 "steps": steps}
-            if bucket in self._period:
-                entry["retry_every"] = self._period[bucket]  # decisions between retries where plain won
+            if self._retries[bucket]:
                 entry["retries"] = self._retries[bucket]
+                entry["retry_ms"] = round(1000 * self._retry_seconds[bucket], 1)  # the last one's time
         return out
 
 
@@ -495,10 +513,11 @@ class DepthController:
         switch = shape.spec_requests == 0 and shape.draft_depth > 0 and self._observed_draft_depth == 0
         self._observed_draft_depth = shape.draft_depth
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
-        if committed is None or switch or (explored and shape.prefill_rows and not speculative) \
-                or self.steps <= len(self.probe) and self.policy == "measured":
+        if committed is None:
             return
-        self.guard.observe(shape.requests, speculative, committed, seconds)
+        skip = switch or (explored and shape.prefill_rows and not speculative) \
+            or self.steps <= len(self.probe) and self.policy == "measured"
+        self.guard.observe(shape.requests, speculative, committed, seconds, counted=not skip)
 
     def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         self.observe_verifications([request_id], [num_draft_tokens], [num_accepted])

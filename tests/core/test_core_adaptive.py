@@ -386,6 +386,22 @@ def test_guard_skips_the_start_up_probe_and_the_switch_into_speculation():
     assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2}
 
 
+def test_a_new_wave_of_prompts_drafts_nothing_where_plain_decoding_wins():
+    """A step that only prefills (16 prompts admitted together) drafts for the step after it; where
+    plain decoding wins at 16 running, that step would drop the drafts, so it drafts none, while the
+    depth in force (from a few requests finishing the last wave, which speculate) stays elsewhere."""
+    ctrl, rnd = DepthController(8, PAR), DepthController(8, PAR, policy="random")
+    for guard in (ctrl.guard, rnd.guard):
+        for _ in range(8):
+            guard.observe(16, False, 16, 0.004)  # 16 running: plain 250 per request-second
+            guard.observe(16, True, 32, 0.020)  # speculative 100
+            guard.observe(2, False, 2, 0.004)  # 2 running: speculation wins
+            guard.observe(2, True, 6, 0.005)
+    assert ctrl.prefill_draft_depth(16, 8) == 0 and ctrl.prefill_draft_depth(2, 8) == 8
+    assert ctrl.prefill_draft_depth(1, 5) == 5  # a load not measured yet: the depth in force
+    assert rnd.prefill_draft_depth(16, 8) == 8  # the random schedules of the exactness tests draw on
+
+
 def test_a_retry_judges_speculation_by_its_own_steps_not_a_stale_estimate():
     """Speculation looked slow once (a few unlucky steps, the first passes at new shapes); a retry
     forgets that and measures it again, so a load that now speculates faster does so from the

@@ -489,6 +489,14 @@ class DepthController:
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
 
+    def prefill_draft_depth(self, num_running: int, planned: int) -> int:
+        """The draft depth of a step without decoding requests (a new wave of prompts): none where
+        plain decoding wins at the load they will decode at, whose next step would drop their
+        drafts; else `planned` (the depth in force)."""
+        if self.policy == "measured" and self.guard.plain_faster(num_running):
+            return 0
+        return planned
+
     def _record(self, decision: Decision) -> Decision:
         self.depth_counts.update(decision.depths.values())
         self.draft_depth_counts[decision.draft_depth] += 1

@@ -238,9 +238,10 @@ def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless)
     vllm_counts = lossless.summary
     assert summary["verified_per_position"][0] == vllm_counts.num_drafts
     assert summary["accepted_per_position"] == vllm_counts.accepted_per_position
-    # One request in flight speculates: the start-up probe's slow first passes do not turn it plain
-    # (speculation is ~1.5x plain decoding there, docs/BENCHMARKS.md)
-    assert summary["realized"]["1"]["speculative"]["steps"] > summary["realized"]["1"]["plain"]["steps"]
+    # One request in flight speculates (~1.5x plain decoding there, docs/BENCHMARKS.md): the
+    # start-up probe's slow first passes no longer turn it plain for good (that left 15
+    # speculative steps at one request in flight; a healthy run has several hundred)
+    assert summary["realized"]["1"]["speculative"]["steps"] >= 100
 
 
 def test_plain_greedy_is_batch_invariant_here(plain, cases, zoo_models):

@@ -79,7 +79,9 @@ class StepShape:
     # tokens drafted per request; not a cost term (vLLM's draft model pays one pass at D = 0 and
     # D = 1 alike), but what tells a plain step (D = 0) from a drafting one
     draft_depth: int = field(default=0, compare=False)
-    prefill_rows: int = field(default=0, compare=False)  # rows of prompt chunks (a cost term like any row)
+    # rows of prompt chunks: counted in `rows` (no cost term of their own), but what tells the
+    # throughput guard that a step carried a prompt chunk
+    prefill_rows: int = field(default=0, compare=False)
 
     @staticmethod
     def of(requests: int, spec_tokens: int, draft_depth: int, kind: DraftKind, extra_rows: int = 0,

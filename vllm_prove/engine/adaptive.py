@@ -80,7 +80,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
         self._plan = None
         self._step_start = 0.0
-        self._pending = None  # (shape, committed, start, end) of the last step, until observed
+        self._pending = None  # (shape, committed, explored, start, end) of the last step, until observed
         self._last_log = time.monotonic()
         self._own_seconds = 0.0
 

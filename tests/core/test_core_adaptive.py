@@ -365,6 +365,8 @@ def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
     cheap, cheap_share = gaps(0.011)
     assert {b - a for a, b in zip(cheap, cheap[1:])} == {4 + 84} and 0.045 < cheap_share <= 0.05
     assert dear[0] == cheap[0] == 32  # the first retry: after retry_every plain decisions
+    with pytest.raises(ValueError, match=r"retry_budget must be in \(0, 1\), got 1.0"):
+        ThroughputGuard(retry_budget=1.0)
 
 
 def test_guard_skips_the_start_up_probe_and_the_switch_into_speculation():

@@ -69,9 +69,10 @@ def _rate(e, combo, d, cost, kind):
     return sum(float(e[r, k]) for r, k in enumerate(combo)) / cost(shape)
 
 
-def _brute_force(e, cost, allowed, kind):
+def _brute_force(e, cost, allowed, kind, speculate=False):
     best = -1.0
-    options = [[k for k in range(e.shape[1]) if k == 0 or allowed[r, k]] for r in range(e.shape[0])]
+    options = [[k for k in range(e.shape[1]) if (k == 0 and not speculate) or (k > 0 and allowed[r, k])]
+               for r in range(e.shape[0])]
     for d in range(e.shape[1]):
         for combo in itertools.product(*options):
             if max(combo) <= d:
@@ -91,6 +92,14 @@ def test_choice_is_the_exact_optimum(batch, depth, coefs, kind, seed):
     assert all(int(k[r]) == 0 or bool(allowed[r, int(k[r])]) for r in range(batch))
     assert int(k.max()) <= d <= depth
     assert _rate(e, k.tolist(), d, cost, kind) == pytest.approx(_brute_force(e, cost, allowed, kind), rel=1e-9)
+    # a retry's plan: the best in which every request verifies a draft, where one exists
+    k, d = choose_depths(e, cost, kind, allowed, speculate=True)
+    if all(bool(allowed[r, 1:].any()) for r in range(batch)):
+        assert all(int(k[r]) > 0 and bool(allowed[r, int(k[r])]) for r in range(batch)) and int(k.max()) <= d
+        assert _rate(e, k.tolist(), d, cost, kind) == pytest.approx(
+            _brute_force(e, cost, allowed, kind, speculate=True), rel=1e-9)
+    else:  # some request may verify no draft: the unrestricted best
+        assert _rate(e, k.tolist(), d, cost, kind) == pytest.approx(_brute_force(e, cost, allowed, kind), rel=1e-9)
 
 
 def _random_shape(gen, kind):
@@ -252,6 +261,16 @@ def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     # a load whose plain rate the guard has not measured gets a plain step every 8th step
     plans = [ctrl.decide(["a", "b", "c", "d"]) for _ in range(16)]  # steps 40..55: bucket 4-7 is new
     assert [p.draft_depth == 0 and p.explored for p in plans] == [s % 8 == 0 for s in range(40, 56)]
+    # while the fitted plan decodes plainly an exploration drafts for a step that drops the drafts:
+    # it comes 4 times less often
+    dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.002, c_pass=0.004, c_draft_row=0.002)
+    many = [f"r{i}" for i in range(32)]
+    plain = _feed(DepthController(4, PAR, explore_every=5), dear, 0.8, 40, many)
+    # (an exploration's step only drafts: a switch, which the guard does not count for speculation)
+    assert plain.guard.knows(32, speculative=False) and not plain.guard.knows(32, speculative=True)
+    plans = [plain.decide(many) for _ in range(40)]  # steps 40..79
+    assert [p.explored for p in plans] == [s % 20 == 0 for s in range(40, 80)]
+    assert all(p.draft_depth == 0 for p, s in zip(plans, range(40, 80)) if s % 20)
     rnd = DepthController(4, SEQ, policy="random", seed=3)
     plans = [rnd.decide(["a", "b", "c"]) for _ in range(200)]
     assert all(max(p.depths.values()) <= p.draft_depth for p in plans)
@@ -316,16 +335,20 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
     guard.observe(32, False, 32, 0.010)
     guard.observe(32, True, 40, 0.016)
     assert guard.rate(32, False) == pytest.approx(100) and guard.rate(32, True) == pytest.approx(2500 / 32)
-    # plain for retry_every decisions, then a retry: speculation's rate is forgotten, and
-    # speculation runs until min_steps steps have measured it again
-    assert [guard.plain_wins(32) for _ in range(8)] == [True] * 8
-    assert not guard.plain_wins(32) and not guard.knows(32, speculative=True)
+    # plain until the plain steps have run 19 times what min_steps speculative steps cost (1.216 s),
+    # then a retry: speculation's rate is forgotten, and speculation runs until min_steps steps
+    # have measured it again
+    plain_steps = 0
+    while guard.plain_wins(32):
+        guard.observe(32, False, 32, 0.010)
+        plain_steps += 1
+    assert plain_steps == 121 and not guard.knows(32, speculative=True)
     for _ in range(3):
         guard.observe(32, True, 40, 0.016)
         assert not guard.plain_wins(32)  # still measuring
     guard.observe(32, True, 40, 0.016)
     assert guard.plain_wins(32)  # plain is still ahead: plain again
-    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4},
+    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4 + 121},
                                      "speculative": {"tok_per_req_s": 78.1, "steps": 4}, "retries": 1, "retry_ms": 64.0}
     assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
@@ -345,7 +368,7 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
 def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
     """A retry of 4 speculative steps waits for 19 times its time in plain steps, so retries take
     5% of the time: where a speculative step costs four plain ones (a high load) one retry comes
-    every 316 steps, where it costs about one plain step every 88."""
+    every 316 steps, where it costs about one plain step every 88; the first retry too."""
     def gaps(spec_seconds):
         guard = ThroughputGuard(min_steps=4)
         for _ in range(4):
@@ -364,7 +387,14 @@ def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
     assert {b - a for a, b in zip(dear, dear[1:])} == {4 + 312} and 0.045 < dear_share <= 0.05  # 19 x 0.164 s
     cheap, cheap_share = gaps(0.011)
     assert {b - a for a, b in zip(cheap, cheap[1:])} == {4 + 84} and 0.045 < cheap_share <= 0.05
-    assert dear[0] == cheap[0] == 32  # the first retry: after retry_every plain decisions
+    # the first retry waits as long: for 19 times what `min_steps` speculative steps have cost (the 4
+    # plain steps observed before the loop count), not for `retry_every` decisions only
+    assert (dear[0], cheap[0]) == (312 - 4, 84 - 4)
+    guard = ThroughputGuard(min_steps=4)  # speculative steps far cheaper than plain ones: retry_every decides
+    for _ in range(8):
+        guard.observe(8, False, 8, 0.010)
+        guard.observe(8, True, 0, 0.001)
+    assert [guard.plain_wins(8) for _ in range(33)] == [True] * 32 + [False]
     with pytest.raises(ValueError, match=r"retry_budget must be in \(0, 1\), got 1.0"):
         ThroughputGuard(retry_budget=1.0)
 
@@ -399,16 +429,16 @@ def test_a_new_wave_of_prompts_drafts_nothing_where_plain_decoding_wins():
             guard.observe(16, True, 32, 0.020)  # speculative 100
             guard.observe(2, False, 2, 0.004)  # 2 running: speculation wins
             guard.observe(2, True, 6, 0.005)
-    assert ctrl.prefill_draft_depth(16, 8) == 0 and ctrl.prefill_draft_depth(2, 8) == 8
-    assert ctrl.prefill_draft_depth(1, 5) == 5  # a load not measured yet: the depth in force
-    assert rnd.prefill_draft_depth(16, 8) == 8  # the random schedules of the exactness tests draw on
+    assert ctrl.draft_depth_for(16, 8) == 0 and ctrl.draft_depth_for(2, 8) == 8
+    assert ctrl.draft_depth_for(1, 5) == 5  # a load not measured yet: the depth in force
+    assert rnd.draft_depth_for(16, 8) == 8  # the random schedules of the exactness tests draw on
 
 
 def test_a_retry_judges_speculation_by_its_own_steps_not_a_stale_estimate():
     """Speculation looked slow once (a few unlucky steps, the first passes at new shapes); a retry
     forgets that and measures it again, so a load that now speculates faster does so from the
     first retry on, not after old steps have decayed away over many retries."""
-    guard = ThroughputGuard(retry_every=8)
+    guard = ThroughputGuard(retry_every=8, retry_budget=0.5)  # (a retry as soon as retry_every allows)
     for _ in range(30):
         guard.observe(1, False, 1, 0.004)  # plain: 250 tok/s
         guard.observe(1, True, 1, 0.008)  # speculation once: 125 tok/s
@@ -454,6 +484,7 @@ def test_guard_charges_each_regime_its_steps_but_not_a_plain_probe_its_prompt_ch
     assert ctrl.guard.rate(16, speculative=False) == pytest.approx(125, rel=0.05)
     assert ctrl.guard.rate(16, speculative=True) == pytest.approx(110 / (0.072 * 16), rel=0.05)
     assert ctrl.guard.plain_faster(16)
+    ctrl.guard.retry_budget = 0.5  # (a retry as soon as retry_every allows: the plain time is there)
     plans = [ctrl.decide(many) for _ in range(33)]
     assert all(p.draft_depth == 0 for p in plans[:32]) and plans[32].draft_depth > 0  # plain, then a retry
     for _ in range(10):  # in the plain regime its prefill steps count
@@ -472,7 +503,11 @@ def test_controller_decodes_plainly_where_the_realized_rate_says_so():
     for _ in range(8):
         ctrl.guard.observe(2, False, 2, 0.001)  # 2000 tok/s realized plain
         ctrl.guard.observe(2, True, 6, 0.010)  # 600 tok/s realized speculative
-    plans = [ctrl.decide(["a", "b"]) for _ in range(33)]
+    ctrl.guard.retry_budget = 0.5  # a retry once plain steps have taken as long as 4 speculative ones
+    plans = []
+    for _ in range(33):
+        plans.append(ctrl.decide(["a", "b"]))
+        ctrl.guard.observe(2, False, 2, 0.002)
     assert all(p.draft_depth == 0 and set(p.depths.values()) == {0} for p in plans[:32])
     assert plans[32].draft_depth > 0  # a retry: speculation measured again
 
@@ -494,3 +529,34 @@ def test_step_summary_keeps_counts_current_and_refreshes_estimates_every_few_ste
         assert (s["realized"] == full["realized"]) == refreshed
         if not refreshed:
             assert s["realized"] == ctrl.step_summary()["realized"]  # the cached estimates
+
+
+def test_a_retry_speculates_where_the_fit_says_plain_and_ends_once_measured():
+    """At a high load the cost fit rightly says plain decoding wins, so the solver decides depth 0;
+    a retry must still speculate (every request verifies a draft), or it never measures
+    speculation and never ends, and the solver's occasional drafting steps run unchecked. It ends
+    after the switch step and `min_steps` measured steps, and the plain regime resumes."""
+    dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.002, c_pass=0.004, c_draft_row=0.002)
+    many = [f"r{i}" for i in range(32)]
+    ctrl = _feed(DepthController(8, PAR, explore_every=1000), dear, 0.8, 81, many)
+    assert ctrl.decide(many).draft_depth == 0  # the fit: plain
+    for _ in range(8):
+        ctrl.guard.observe(32, True, 48, 0.400)  # speculation realized: 3.75 per request-second
+    assert ctrl.guard.plain_faster(32)  # (the plain steps fed: 11-16 per request-second)
+    ctrl.guard.retry_budget = 0.5  # a retry once the plain steps have taken as long as it should
+    plans = []
+    for _ in range(33):
+        plans.append(ctrl.decide(many))
+        ctrl.observe_step(StepShape.of(32, 0, 0, PAR), 0.090, 32)
+    assert all(p.draft_depth == 0 for p in plans[:32])
+    retry = [plans[32]]
+    assert ctrl.guard.retrying(32)
+    ctrl.observe_step(StepShape.of(32, 0, retry[0].draft_depth, PAR), 0.300, 32)  # the switch: drafts only
+    for _ in range(4):
+        plan = ctrl.decide(many)
+        retry.append(plan)
+        ctrl.observe_step(StepShape.of(32, sum(plan.depths.values()), plan.draft_depth, PAR, spec_requests=32),
+                          0.400, 48)
+    assert all(p.draft_depth > 0 and min(p.depths.values()) > 0 for p in retry)
+    assert ctrl.decide(many).draft_depth == 0 and not ctrl.guard.retrying(32)  # measured: plain again
+    assert ctrl.guard.summary()["32"]["retries"] == 1

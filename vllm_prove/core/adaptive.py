@@ -40,6 +40,7 @@ import torch
 
 RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation
 PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
+PLAIN_EXPLORE_SLOWER = 4  # explorations are this much rarer while the fitted plan decodes plainly
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
 
@@ -132,33 +133,40 @@ def choose_depths(
     kind: DraftKind = DraftKind.PARALLEL,
     # [batch, max_depth + 1] bool or None: which depths request r may use (depth 0 always may)
     allowed: torch.Tensor | None = None,
+    speculate: bool = False,
 ) -> tuple[torch.Tensor, int]:  # ([batch] int64 K_r, draft depth D >= max K_r)
     """The verify depths ``K_r`` and the draft depth ``D`` that maximize
     ``sum_r E_r(K_r) / t(StepShape.of(R, sum K_r, D))``, exactly: for each ``D`` the rate is a
     ratio of a separable sum and a cost linear in ``sum K_r`` (Dinkelbach); the best ``D`` wins.
-    Ties go to the shallower depth. Runs once per engine step, so it is numpy, vectorized over
-    every ``D`` at once (~0.1 ms for 32 requests and B = 8)."""
+    Ties go to the shallower depth. ``speculate``: the best plan in which every request verifies
+    at least one draft (the throughput guard's retry measures speculation as the solver would run
+    it, even where the fit says plain decoding wins); the unrestricted best where no such plan
+    exists. Runs once per engine step, so it is numpy, vectorized over every ``D`` at once (~0.1 ms
+    for 32 requests and B = 8)."""
     as_np = lambda x: x.numpy() if isinstance(x, torch.Tensor) else x  # noqa: E731
     E = np.asarray(as_np(expected), dtype=np.float64)
     batch, width = E.shape
     if batch == 0:
         return torch.zeros(0, dtype=torch.int64), 0
     ok = np.ones((batch, width), dtype=bool) if allowed is None else np.array(as_np(allowed), dtype=bool)
-    ok[:, 0] = True
+    ok[:, 0] = not speculate
     depth = np.arange(width)
     ok = ok[None, :, :] & (depth[None, None, :] <= depth[:, None, None])  # [D, batch, K]: K <= D
+    feasible = ok.any(axis=-1).all(axis=-1)  # [D]: every request has a depth it may take
+    if not feasible.any():  # (speculate, but no request may verify a draft)
+        return choose_depths(E, cost, kind, allowed)
     # the cost of a step with draft depth D and no verified draft, and what a request verifying K
     # drafts adds to any step (its rows, its multi-token query): the cost is a sum of the two
     fixed = np.array([cost(StepShape.of(batch, 0, d, kind)) for d in range(width)])  # [D]
     own = np.array([cost(StepShape.of(batch, k, 0, kind, spec_requests=int(k > 0))) for k in range(width)]) - fixed[0]
-    choice = np.zeros((width, batch), dtype=np.int64)  # [D, batch]
-    rate = batch / fixed  # [D]: everyone at depth 0 (E_r(0) = 1)
     rows = np.arange(batch)
+    choice = ok.argmax(axis=-1)  # [D, batch]: the shallowest depth allowed (0 unless speculating)
+    rate = np.where(feasible, E[rows[None, :], choice].sum(axis=1) / (fixed + own[choice].sum(axis=1)), -np.inf)
     for _ in range(MAX_DINKELBACH_ITERS):
-        score = np.where(ok, E[None] - rate[:, None, None] * own[None, None, :], -np.inf)
+        score = np.where(ok, E[None] - np.where(feasible, rate, 0.0)[:, None, None] * own[None, None, :], -np.inf)
         new = score.argmax(axis=-1)  # [D, batch]: the first (shortest) of the maxima
         new_rate = E[rows[None, :], new].sum(axis=1) / (fixed + own[new].sum(axis=1))
-        improved = new_rate > rate + 1e-12
+        improved = feasible & (new_rate > rate + 1e-12)
         if not improved.any():
             break
         choice[improved], rate[improved] = new[improved], new_rate[improved]
@@ -316,6 +324,7 @@ class ThroughputGuard:
         self._forced: Counter = Counter()  # bucket -> plain decisions since its last retry
         self._plain_seconds: Counter = Counter()  # bucket -> seconds of plain steps since its last retry
         self._retry_seconds: Counter = Counter()  # bucket -> seconds its last (or current) retry took
+        self._spec_step_seconds: dict[int, float] = {}  # bucket -> a speculative step's seconds (running mean)
         self._retrying: set[int] = set()  # buckets measuring speculation afresh
         self._retries: Counter = Counter()  # bucket -> retries so far
 
@@ -335,6 +344,9 @@ class ThroughputGuard:
             self._plain_seconds[bucket] += seconds
         if not counted:
             return
+        if speculative:
+            last = self._spec_step_seconds.get(bucket, seconds)
+            self._spec_step_seconds[bucket] = self.decay * last + (1 - self.decay) * seconds
         sums = self._sums.setdefault((bucket, speculative), [0.0, 0.0, 0])
         sums[0] = self.decay * sums[0] + committed
         sums[1] = self.decay * sums[1] + seconds * num_requests
@@ -355,6 +367,10 @@ class ThroughputGuard:
         plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
         return plain is not None and spec is not None and plain > spec * (1 + self.margin)
 
+    def retrying(self, num_requests: int) -> bool:
+        """Whether this load is measuring speculation afresh (a retry: the controller speculates)."""
+        return self.bucket(num_requests) in self._retrying
+
     def plain_wins(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now (False during a retry)."""
         bucket = self.bucket(num_requests)
@@ -369,7 +385,9 @@ class ThroughputGuard:
             self._forced[bucket], self._plain_seconds[bucket] = 0, 0.0
             return False
         self._forced[bucket] += 1
-        wait = self._retry_seconds[bucket] * (1 / self.retry_budget - 1)
+        # the last retry's time, or before the first one what `min_steps` speculative steps cost
+        expected = max(self._retry_seconds[bucket], self.min_steps * self._spec_step_seconds.get(bucket, 0.0))
+        wait = expected * (1 / self.retry_budget - 1)
         if self._forced[bucket] <= self.retry_every or self._plain_seconds[bucket] < wait:
             return True
         self._sums.pop((bucket, True), None)  # a retry: forget speculation's rate, measure it again
@@ -436,7 +454,7 @@ class DepthController:
         self.last_cost: StepCost | None = None  # the fit the measured decisions use
         self._last_draft_depth = self.choices[-1]
         self._observed_draft_depth = 0  # the draft depth of the last step observed
-        self._cached: tuple = ((), {}, 0)  # (request ids, their depths, draft depth) of the last solve
+        self._cached: tuple = (((), False), {}, 0)  # ((ids, retrying), depths, draft depth) of the last solve
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
 
@@ -468,7 +486,11 @@ class DepthController:
         if step % PLAIN_PROBE_EVERY == 0 and not self.guard.knows(len(request_ids), speculative=False):
             # the guard has no plain rate at this load yet: measure one
             return Decision(dict.fromkeys(request_ids, 0), 0, True)
-        if step % self.explore_every == 0 and not self.guard.plain_faster(len(request_ids)):
+        # while the plan is plain, an exploration drafts for a step that drops the drafts (a whole
+        # wasted draft pass): it comes PLAIN_EXPLORE_SLOWER times less often
+        every = self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)
+        if step % every == 0 and not self.guard.plain_faster(len(request_ids)) \
+                and not self.guard.retrying(len(request_ids)):
             # (where plain decoding has been faster, the guard's retries explore instead)
             i = self.choices.index(self._last_draft_depth)
             near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}
@@ -477,7 +499,11 @@ class DepthController:
         if self.guard.plain_wins(len(request_ids)):  # realized: plain decoding is faster here (no solve)
             self._last_draft_depth = 0  # a prompt admitted alone meanwhile drafts nothing either
             return Decision(dict.fromkeys(request_ids, 0), 0, False)
-        key = tuple(request_ids)
+        # a retry measures speculation as the solver runs it: every request verifies a draft,
+        # even where the fit says plain decoding wins (it could otherwise decide depth 0 for the
+        # whole retry, which then never ends: steps that decode plainly do not measure speculation)
+        speculate = self.guard.retrying(len(request_ids))
+        key = (tuple(request_ids), speculate)
         if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
             # a new fit, or other requests: solve again; else the same requests keep their depths
             # until the next fit (acceptance moves slowly; a step must not wait ~0.1 ms for it)
@@ -485,16 +511,18 @@ class DepthController:
                 self.last_cost = self.costs.fit()
             expected = _expected_np(self.tracker._rates(request_ids)[:, : self.max_depth])
             allowed = np.broadcast_to(self._allowed_row, (len(request_ids), self.max_depth + 1))
-            depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
+            depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=speculate)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
         _, depths, d = self._cached
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
 
-    def prefill_draft_depth(self, num_running: int, planned: int) -> int:
-        """The draft depth of a step without decoding requests (a new wave of prompts): none where
-        plain decoding wins at the load they will decode at, whose next step would drop their
-        drafts; else `planned` (the depth in force)."""
+    def draft_depth_for(self, num_running: int, planned: int) -> int:
+        """The draft depth of a step whose drafts the next step verifies at `num_running` requests
+        (the requests running once this step's prompts are admitted): none where plain decoding
+        wins at that load, whose next step would drop the drafts (a new wave of prompts, admitted
+        while a straggler of the last wave speculates at its own low load, or in a step of only
+        prompts); else `planned` (this step's plan, or the depth in force)."""
         if self.policy == "measured" and self.guard.plain_faster(num_running):
             return 0
         return planned

@@ -97,9 +97,8 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         output = super().schedule(*args, **kwargs)
         end = time.perf_counter()
         if output.total_num_scheduled_tokens:
-            draft_depth = plan.draft_depth
-            if not plan.depths:  # only prefills (a new wave): draft for the load the wave decodes at
-                draft_depth = self.depth.prefill_draft_depth(len(self.running), draft_depth)
+            # drafted for the load the next step verifies at (this step's prompts admitted)
+            draft_depth = self.depth.draft_depth_for(len(self.running), plan.draft_depth)
             if not pinned and any(seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
                 draft_depth = self.num_spec_tokens  # a seeded sampler admitted in this very step
             output.num_spec_tokens_to_schedule = min(draft_depth, self.num_spec_tokens)

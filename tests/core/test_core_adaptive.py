@@ -560,3 +560,23 @@ def test_a_retry_speculates_where_the_fit_says_plain_and_ends_once_measured():
     assert all(p.draft_depth > 0 and min(p.depths.values()) > 0 for p in retry)
     assert ctrl.decide(many).draft_depth == 0 and not ctrl.guard.retrying(32)  # measured: plain again
     assert ctrl.guard.summary()["32"]["retries"] == 1
+
+
+def test_decisions_are_judged_at_the_load_the_step_runs():
+    """At a steady 16 in flight a finished request's successor is admitted in the next step, which
+    decodes 15: judged at 15 (bucket 8-15, where speculation won) against 16 (bucket 16-31, where
+    plain decoding wins), every finish would switch regimes for a step. Judged at the step's load
+    (16), it stays plain."""
+    ctrl = _feed(DepthController(8, PAR, explore_every=1000), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 30,
+                 ["a"])  # the cost fit: speculate
+    for _ in range(8):
+        ctrl.guard.observe(16, False, 16, 0.008)  # 16 running: plain 125 per request-second
+        ctrl.guard.observe(16, True, 24, 0.024)  # speculative 62.5
+        ctrl.guard.observe(15, False, 15, 0.008)  # 8-15 running: speculation wins
+        ctrl.guard.observe(15, True, 45, 0.012)
+    fifteen = [f"r{i}" for i in range(15)]
+    assert ctrl.guard.plain_faster(16) and not ctrl.guard.plain_faster(15)
+    assert not ctrl.guard.plain_wins(15)  # (no decision yet: the guard alone)
+    plan = ctrl.decide(fifteen, load=16)
+    assert plan.draft_depth == 0 and set(plan.depths.values()) == {0}
+    assert ctrl.decide(fifteen).draft_depth > 0  # judged at 15: speculate

@@ -458,19 +458,23 @@ class DepthController:
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
 
-    def decide(self, request_ids: list, pinned=frozenset()) -> Decision:
-        """Depths for the decoding ``request_ids``. While any ``pinned`` request runs (decoding or
-        not) the whole batch takes the full depth, as with a fixed depth: a seeded request that
-        samples consumes its generator per draft, and vLLM's sampling of a batch is only
-        reproducible request by request when every step has the same shape, so its text must not
-        depend on the load."""
-        decision = self._decide(request_ids)
+    def decide(self, request_ids: list, pinned=frozenset(), load: int | None = None) -> Decision:
+        """Depths for the decoding ``request_ids``. ``load``: the requests the step will run
+        (default: the decoding ones), the load the throughput guard judges, as it counts a step's
+        requests: at a steady 16 in flight the step after a request finishes decodes 15 and admits
+        the 16th, and judged at 15 against 16 (another bucket) the decision would flip between
+        regimes with every finish, each switch costing a draft pass whose drafts the next step
+        drops. While any ``pinned`` request runs (decoding or not) the whole batch takes the full
+        depth, as with a fixed depth: a seeded request that samples consumes its generator per
+        draft, and vLLM's sampling of a batch is only reproducible request by request when every
+        step has the same shape, so its text must not depend on the load."""
+        decision = self._decide(request_ids, max(load or 0, len(request_ids)))
         if pinned:
             full = self.choices[-1]
             decision = Decision({r: full for r in decision.depths}, full, decision.explored)
         return self._record(decision) if request_ids else decision
 
-    def _decide(self, request_ids: list) -> Decision:
+    def _decide(self, request_ids: list, load: int) -> Decision:
         if not request_ids:  # a prefill-only step: its requests draft for the next one as usual
             depth = {"measured": self._last_draft_depth, "plain": 0}.get(self.policy, self.choices[-1])
             return Decision({}, depth, False)
@@ -483,26 +487,26 @@ class DepthController:
         if step < len(self.probe) or self.costs.count == 0:
             d = self.probe[step % len(self.probe)]
             return Decision({r: d for r in request_ids}, d, True)
-        if step % PLAIN_PROBE_EVERY == 0 and not self.guard.knows(len(request_ids), speculative=False):
+        if step % PLAIN_PROBE_EVERY == 0 and not self.guard.knows(load, speculative=False):
             # the guard has no plain rate at this load yet: measure one
             return Decision(dict.fromkeys(request_ids, 0), 0, True)
         # while the plan is plain, an exploration drafts for a step that drops the drafts (a whole
         # wasted draft pass): it comes PLAIN_EXPLORE_SLOWER times less often
         every = self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)
-        if step % every == 0 and not self.guard.plain_faster(len(request_ids)) \
-                and not self.guard.retrying(len(request_ids)):
+        if step % every == 0 and not self.guard.plain_faster(load) \
+                and not self.guard.retrying(load):
             # (where plain decoding has been faster, the guard's retries explore instead)
             i = self.choices.index(self._last_draft_depth)
             near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}
             d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
             return Decision({r: d for r in request_ids}, d, True)
-        if self.guard.plain_wins(len(request_ids)):  # realized: plain decoding is faster here (no solve)
+        if self.guard.plain_wins(load):  # realized: plain decoding is faster here (no solve)
             self._last_draft_depth = 0  # a prompt admitted alone meanwhile drafts nothing either
             return Decision(dict.fromkeys(request_ids, 0), 0, False)
         # a retry measures speculation as the solver runs it: every request verifies a draft,
         # even where the fit says plain decoding wins (it could otherwise decide depth 0 for the
         # whole retry, which then never ends: steps that decode plainly do not measure speculation)
-        speculate = self.guard.retrying(len(request_ids))
+        speculate = self.guard.retrying(load)
         key = (tuple(request_ids), speculate)
         if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
             # a new fit, or other requests: solve again; else the same requests keep their depths

@@ -90,7 +90,9 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             self._observe_pending(fetched=False)
         decoding = [r for r in self.running if r.num_output_tokens > 0]
         pinned = frozenset(r.request_id for r in self.running if seeded_sampling(r))
-        self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned)
+        # the load the step runs: the running requests and those it can admit from the queue
+        load = min(sum(self.get_request_counts()), self.max_num_running_reqs)
+        self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned, load)
         for request in decoding:
             del request.spec_token_ids[plan.depths[request.request_id]:]
         mid = time.perf_counter()

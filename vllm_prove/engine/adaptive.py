@@ -99,10 +99,11 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         output = super().schedule(*args, **kwargs)
         end = time.perf_counter()
         if output.total_num_scheduled_tokens:
-            # drafted for the load the next step verifies at (this step's prompts admitted)
-            draft_depth = self.depth.draft_depth_for(len(self.running), plan.draft_depth)
-            if not pinned and any(seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
-                draft_depth = self.num_spec_tokens  # a seeded sampler admitted in this very step
+            draft_depth = plan.draft_depth
+            if pinned or any(seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
+                draft_depth = self.num_spec_tokens  # a seeded sampler runs or was admitted in this very step
+            else:  # drafted for the load the next step verifies at (this step's prompts admitted)
+                draft_depth = self.depth.draft_depth_for(len(self.running), draft_depth)
             output.num_spec_tokens_to_schedule = min(draft_depth, self.num_spec_tokens)
         setattr(output, SUMMARY_ATTR, self.depth.step_summary() | {"overhead_ms": self._overhead_ms()})
         self._own_seconds += (mid - start) + (time.perf_counter() - end)

@@ -580,3 +580,20 @@ def test_decisions_are_judged_at_the_load_the_step_runs():
     plan = ctrl.decide(fifteen, load=16)
     assert plan.draft_depth == 0 and set(plan.depths.values()) == {0}
     assert ctrl.decide(fifteen).draft_depth > 0  # judged at 15: speculate
+
+
+def test_the_guard_overrules_a_fit_that_says_plain_where_speculation_was_faster():
+    """The fit can miss a cost of plain steps (vLLM's draft model re-reads every verified row even
+    in a plain step of mode sd, so plain decoding is dearer than the fit's drafter terms say): where
+    the engine realized speculation faster at a load, a plain plan from the fit gives way to the
+    best plan that speculates (every request verifying a draft); elsewhere the fit decides."""
+    dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.002, c_pass=0.004, c_draft_row=0.002)
+    many = [f"r{i}" for i in range(32)]
+    ctrl = _feed(DepthController(8, PAR, explore_every=1000), dear, 0.8, 81, many)
+    assert ctrl.decide(many).draft_depth == 0  # the fit: plain
+    for _ in range(8):
+        ctrl.guard.observe(32, True, 96, 0.040)  # realized: speculation 75 per request-second
+    assert ctrl.guard.speculation_faster(32)  # (plain realized 11-16)
+    plans = [ctrl.decide(many) for _ in range(9)]
+    assert all(p.draft_depth > 0 and min(p.depths.values()) > 0 for p in plans)
+    assert ctrl.decide(many[:8]).draft_depth == 0  # another load (8-15), nothing realized there: the fit

@@ -367,6 +367,11 @@ class ThroughputGuard:
         plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
         return plain is not None and spec is not None and plain > spec * (1 + self.margin)
 
+    def speculation_faster(self, num_requests: int) -> bool:
+        """Whether speculative steps have been faster at this load (by more than `margin`)."""
+        plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
+        return plain is not None and spec is not None and spec > plain * (1 + self.margin)
+
     def retrying(self, num_requests: int) -> bool:
         """Whether this load is measuring speculation afresh (a retry: the controller speculates)."""
         return self.bucket(num_requests) in self._retrying
@@ -454,7 +459,7 @@ class DepthController:
         self.last_cost: StepCost | None = None  # the fit the measured decisions use
         self._last_draft_depth = self.choices[-1]
         self._observed_draft_depth = 0  # the draft depth of the last step observed
-        self._cached: tuple = (((), False), {}, 0)  # ((ids, retrying), depths, draft depth) of the last solve
+        self._cached: tuple = (((), False, False), {}, 0)  # ((ids, retry, overrule), depths, D) of the last solve
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
 
@@ -507,7 +512,8 @@ class DepthController:
         # even where the fit says plain decoding wins (it could otherwise decide depth 0 for the
         # whole retry, which then never ends: steps that decode plainly do not measure speculation)
         speculate = self.guard.retrying(load)
-        key = (tuple(request_ids), speculate)
+        overrule = not speculate and self.guard.speculation_faster(load)
+        key = (tuple(request_ids), speculate, overrule)
         if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
             # a new fit, or other requests: solve again; else the same requests keep their depths
             # until the next fit (acceptance moves slowly; a step must not wait ~0.1 ms for it)
@@ -516,6 +522,11 @@ class DepthController:
             expected = _expected_np(self.tracker._rates(request_ids)[:, : self.max_depth])
             allowed = np.broadcast_to(self._allowed_row, (len(request_ids), self.max_depth + 1))
             depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=speculate)
+            if d == 0 and overrule:
+                # the fit says plain, the engine realized speculation faster at this load (a cost
+                # the fit has no term for, as vLLM's draft model's pass in every plain step of
+                # mode sd): speculate, with the plan the fit likes best
+                depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=True)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
         _, depths, d = self._cached
         self._last_draft_depth = d

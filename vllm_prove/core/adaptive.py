@@ -430,7 +430,8 @@ class DepthController:
     request verifying all it holds), so the cost fit has seen cheap and dear steps before it
     decides anything (the start-up probe). Afterwards one step in ``explore_every`` tries a
     neighbour of the current draft depth or depth 0, so the fit keeps seeing more than the one
-    step shape it would otherwise choose forever, at the price of one slightly-off step in 32.
+    step shape it would otherwise choose forever, at the price of one slightly-off step in 32
+    (``PLAIN_EXPLORE_SLOWER`` times rarer while the plan is plain: the next step drops its drafts).
     The fit, and with it the choice for an unchanged set of requests, is refreshed every
     ``refit_every`` steps (one engine step must not wait for either).
     ``policy="random"`` draws every depth at random (the exactness tests' schedule driver);

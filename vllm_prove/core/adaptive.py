@@ -364,13 +364,17 @@ class ThroughputGuard:
 
     def plain_faster(self, num_requests: int) -> bool:
         """Whether plain decoding has been faster at this load (by more than `margin`)."""
-        plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
-        return plain is not None and spec is not None and plain > spec * (1 + self.margin)
+        return self._ahead(num_requests, speculative=False)
 
     def speculation_faster(self, num_requests: int) -> bool:
         """Whether speculative steps have been faster at this load (by more than `margin`)."""
-        plain, spec = self.rate(num_requests, False), self.rate(num_requests, True)
-        return plain is not None and spec is not None and spec > plain * (1 + self.margin)
+        return self._ahead(num_requests, speculative=True)
+
+    def _ahead(self, num_requests: int, speculative: bool) -> bool:
+        """Whether both regimes are measured at this load and `speculative`'s is the faster by
+        more than `margin`."""
+        mine, other = self.rate(num_requests, speculative), self.rate(num_requests, not speculative)
+        return mine is not None and other is not None and mine > other * (1 + self.margin)
 
     def retrying(self, num_requests: int) -> bool:
         """Whether this load is measuring speculation afresh (a retry: the controller speculates)."""
@@ -507,7 +511,7 @@ class DepthController:
             d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
             return Decision({r: d for r in request_ids}, d, True)
         if self.guard.plain_wins(load):  # realized: plain decoding is faster here (no solve)
-            self._last_draft_depth = 0  # a prompt admitted alone meanwhile drafts nothing either
+            self._last_draft_depth = 0  # the plan in force is plain (explorations, a prefill-only step)
             return Decision(dict.fromkeys(request_ids, 0), 0, False)
         # a retry measures speculation as the solver runs it: every request verifies a draft,
         # even where the fit says plain decoding wins (it could otherwise decide depth 0 for the

@@ -253,14 +253,22 @@ def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     ctrl = DepthController(4, PAR, explore_every=5)
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     _feed(ctrl, cost, 0.9, 30, ["a", "b"])
-    explored = [ctrl.decide(["a", "b"]).explored for _ in range(10)]  # steps 30..39
-    # every 5th step explores; every 8th is a plain probe while the load's plain rate is unknown
-    # (the start-up probe's steps do not count for it)
-    assert not ctrl.guard.knows(2, speculative=False)
-    assert explored == [s % 5 == 0 or s % 8 == 0 for s in range(30, 40)]
-    # a load whose plain rate the guard has not measured gets a plain step every 8th step
-    plans = [ctrl.decide(["a", "b", "c", "d"]) for _ in range(16)]  # steps 40..55: bucket 4-7 is new
-    assert [p.draft_depth == 0 and p.explored for p in plans] == [s % 8 == 0 for s in range(40, 56)]
+    # the load's plain rate was measured in a block of plain steps after the start-up probe; now
+    # every 5th step explores a neighbouring draft depth, never depth 0 (plain decoding is the
+    # guard's to measure, in blocks)
+    assert ctrl.guard.knows(2, speculative=False)
+    plans = [ctrl.decide(["a", "b"]) for _ in range(10)]  # steps 30..39
+    assert [p.explored for p in plans] == [s % 5 == 0 for s in range(30, 40)]
+    assert all(p.draft_depth > 0 for p in plans)
+    # a load whose plain rate the guard has not measured decodes plainly until it has: a block of
+    # plain steps, the first of which (the switch out of speculation) does not count
+    four = ["a", "b", "c", "d"]
+    for i in range(ctrl.guard.min_steps + 1):
+        plan = ctrl.decide(four)
+        assert plan.draft_depth == 0 and set(plan.depths.values()) == {0} and plan.explored
+        ctrl.observe_step(StepShape.of(4, 0, 0, PAR), cost(StepShape.of(4, 0, 0, PAR)), 4, plan.explored)
+        assert ctrl.guard.knows(4, speculative=False) == (i == ctrl.guard.min_steps)
+    assert ctrl.decide(four).draft_depth > 0  # measured: the plan again
     # while the fitted plan decodes plainly an exploration drafts for a step that drops the drafts:
     # it comes 4 times less often
     dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.002, c_pass=0.004, c_draft_row=0.002)
@@ -350,7 +358,7 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
     assert guard.plain_wins(32)  # plain is still ahead: plain again
     assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4 + 121},
                                      "speculative": {"tok_per_req_s": 78.1, "steps": 4}, "retries": 1, "retry_ms": 64.0}
-    assert guard.bucket(40) == guard.bucket(32) != guard.bucket(31)  # buckets 16-31, 32-63, ...
+    assert guard.bucket(17) == guard.bucket(32) != guard.bucket(33) and guard.bucket(16) != guard.bucket(17)  # 9-16, 17-32, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
     # the next retry waits for 19 x the last one's 64 ms of plain steps (a 5% budget)
     guard.observe(32, False, 32, 0.010)
@@ -399,19 +407,22 @@ def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
         ThroughputGuard(retry_budget=1.0)
 
 
-def test_guard_skips_the_start_up_probe_and_the_switch_into_speculation():
-    """The probe's steps (every depth in turn, each shape's first passes: slow on a CPU) and the
-    step that switches from plain to speculative (it drafts; nothing was drafted for it to verify)
-    are no regime's steady cost; a step that only drafts while speculating (a prompt admitted
-    alone) is part of the speculative regime."""
+def test_guard_skips_the_start_up_probe_and_the_switches_between_regimes():
+    """The probe's steps (every depth in turn, each shape's first passes: slow on a CPU), the step
+    that switches from plain to speculative (it drafts; nothing was drafted for it to verify) and
+    the first plain step after speculative ones (dearer than the next ones) are no regime's
+    steady cost; a step that only drafts while speculating (a prompt admitted alone) is part of
+    the speculative regime."""
     ctrl = DepthController(4, PAR)
     for _ in range(len(ctrl.probe)):
         ctrl.decide(["a"])
         ctrl.observe_step(StepShape.of(1, 4, 4, PAR, spec_requests=1), 0.05, 1)
     assert ctrl.guard.summary() == {}
     ctrl.decide(["a"])
+    ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.005, 1)  # plain, right after speculative steps
+    assert ctrl.guard.summary() == {}
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1)  # plain
-    ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.006, 1)  # the switch
+    ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.006, 1)  # the switch into speculation
     assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
     ctrl.observe_step(StepShape.of(1, 4, 4, PAR, spec_requests=1), 0.008, 4)  # verify and draft
     ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.005, 1)  # drafts only, while speculating
@@ -459,37 +470,36 @@ def test_guard_rates_are_per_request_so_loads_in_one_bucket_compare_fairly():
     assert guard.bucket(9) == guard.bucket(15) and guard.plain_faster(12)
 
 
-def test_guard_charges_each_regime_its_steps_but_not_a_plain_probe_its_prompt_chunk():
+def test_guard_charges_each_regime_its_steps_and_neither_the_prompt_chunks():
     """The speculative regime's steady steps (verify and draft) beat plain ones, but its steps that
-    only draft and its prefill steps (speculating requests finish out of step, so prompts are
-    admitted one by one) make it slower overall: the guard sees the whole regime, and the
-    controller decodes that load plainly. A plain probe step that happens to carry a prompt chunk
-    (several decode steps' cost) is left out; a plain regime's prefill steps count."""
+    only draft make it slower overall: the guard sees the whole regime, and the controller decodes
+    that load plainly. A step's prompt chunk costs what the cost fit says its rows cost in either
+    regime, and which regime's steps happen to carry the chunks is chance (the adaptive engine's
+    plain steps cluster where waves change): the guard takes them out of every step's time, so
+    plain steps that carry three times the chunks do not make plain decoding look slower."""
     ctrl = DepthController(8, PAR, explore_every=1000)
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     many = [f"r{i}" for i in range(16)]
-    _feed(ctrl, cost, 0.9, 30, many)  # the cost fit says: speculate
+    _feed(ctrl, cost, 0.9, 30, many)  # the cost fit says: speculate (and a prompt row costs 0.1 ms)
     assert ctrl.decide(many).draft_depth > 0
     steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
     draft_only = StepShape.of(16, 0, 2, PAR)
-    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=150, spec_requests=15)
+    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=50, spec_requests=15)
     plain = StepShape.of(16, 0, 0, PAR)
     plain_prefill = StepShape.of(16, 0, 0, PAR, extra_rows=150)
     for _ in range(30):  # (the simulated steps before fade from the estimates)
-        ctrl.observe_step(plain, 0.008, 16, explored=True)  # a plain probe: 2000 tok/s, 125 per request-second
-        ctrl.observe_step(plain_prefill, 0.040, 16, explored=True)  # counted, the plain rate would read 42
+        ctrl.observe_step(plain, 0.009, 16)  # the first plain step after speculative ones (not counted)
+        ctrl.observe_step(plain_prefill, 0.023, 16)  # 8 ms of decoding and 15 of prompt rows: 125 per request-second
+        ctrl.observe_step(plain, 0.008, 16)
         ctrl.observe_step(steady, 0.020, 48)  # 2400 tok/s: the steady steps alone would keep speculating
-        ctrl.observe_step(draft_only, 0.016, 16)
-        ctrl.observe_step(spec_prefill, 0.036, 46)
-    assert ctrl.guard.rate(16, speculative=False) == pytest.approx(125, rel=0.05)
-    assert ctrl.guard.rate(16, speculative=True) == pytest.approx(110 / (0.072 * 16), rel=0.05)
+        ctrl.observe_step(draft_only, 0.020, 16)
+        ctrl.observe_step(spec_prefill, 0.025, 46)  # 20 ms of decoding and 5 of prompt rows
+    assert ctrl.guard.rate(16, speculative=False) == pytest.approx(125, rel=0.05)  # charged, it would read 65
+    assert ctrl.guard.rate(16, speculative=True) == pytest.approx(110 / (0.060 * 16), rel=0.05)
     assert ctrl.guard.plain_faster(16)
     ctrl.guard.retry_budget = 0.5  # (a retry as soon as retry_every allows: the plain time is there)
     plans = [ctrl.decide(many) for _ in range(33)]
     assert all(p.draft_depth == 0 for p in plans[:32]) and plans[32].draft_depth > 0  # plain, then a retry
-    for _ in range(10):  # in the plain regime its prefill steps count
-        ctrl.observe_step(plain_prefill, 0.040, 16)
-    assert ctrl.guard.rate(16, speculative=False) < 100
 
 
 def test_controller_decodes_plainly_where_the_realized_rate_says_so():
@@ -500,7 +510,7 @@ def test_controller_decodes_plainly_where_the_realized_rate_says_so():
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     _feed(ctrl, cost, 0.9, 30, ["a", "b"])
     assert ctrl.decide(["a", "b"]).draft_depth > 0
-    for _ in range(8):
+    for _ in range(40):  # (the simulated steps before fade from the estimates)
         ctrl.guard.observe(2, False, 2, 0.001)  # 2000 tok/s realized plain
         ctrl.guard.observe(2, True, 6, 0.010)  # 600 tok/s realized speculative
     ctrl.guard.retry_budget = 0.5  # a retry once plain steps have taken as long as 4 speculative ones
@@ -516,6 +526,7 @@ def test_step_summary_keeps_counts_current_and_refreshes_estimates_every_few_ste
     """The summary every SchedulerOutput carries: decision counts exact at every step (a run's
     share is a difference of two of them), the estimates as of at most SUMMARY_EVERY steps ago."""
     ctrl = _feed(DepthController(4, PAR), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 40, ["a", "b"])
+    ctrl.observe_step(StepShape.of(2, 0, 0, PAR), 0.002, 2)  # (the switch out of speculation: not counted)
     first = ctrl.step_summary()
     assert first == ctrl.summary(refit=False)
     for step in range(1, 2 * SUMMARY_EVERY + 1):
@@ -562,24 +573,31 @@ def test_a_retry_speculates_where_the_fit_says_plain_and_ends_once_measured():
     assert ctrl.guard.summary()["32"]["retries"] == 1
 
 
-def test_decisions_are_judged_at_the_load_the_step_runs():
-    """At a steady 16 in flight a finished request's successor is admitted in the next step, which
-    decodes 15: judged at 15 (bucket 8-15, where speculation won) against 16 (bucket 16-31, where
+def test_decisions_are_judged_and_observed_at_the_load_the_step_runs():
+    """At a steady 9 in flight a finished request's successor is admitted in the next step, which
+    decodes 8: judged at 8 (bucket 5-8, where speculation won) against 9 (bucket 9-16, where
     plain decoding wins), every finish would switch regimes for a step. Judged at the step's load
-    (16), it stays plain."""
+    (9), it stays plain; observed with that load, the step feeds the load's bucket."""
     ctrl = _feed(DepthController(8, PAR, explore_every=1000), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 30,
                  ["a"])  # the cost fit: speculate
     for _ in range(8):
-        ctrl.guard.observe(16, False, 16, 0.008)  # 16 running: plain 125 per request-second
-        ctrl.guard.observe(16, True, 24, 0.024)  # speculative 62.5
-        ctrl.guard.observe(15, False, 15, 0.008)  # 8-15 running: speculation wins
-        ctrl.guard.observe(15, True, 45, 0.012)
-    fifteen = [f"r{i}" for i in range(15)]
-    assert ctrl.guard.plain_faster(16) and not ctrl.guard.plain_faster(15)
-    assert not ctrl.guard.plain_wins(15)  # (no decision yet: the guard alone)
-    plan = ctrl.decide(fifteen, load=16)
+        ctrl.guard.observe(9, False, 9, 0.008)  # 9 running: plain 125 per request-second
+        ctrl.guard.observe(9, True, 13.5, 0.024)  # speculative 62.5
+        ctrl.guard.observe(8, False, 8, 0.008)  # 5-8 running: speculation wins
+        ctrl.guard.observe(8, True, 24, 0.012)
+    eight = [f"r{i}" for i in range(8)]
+    assert ctrl.guard.plain_faster(9) and not ctrl.guard.plain_faster(8)
+    assert not ctrl.guard.plain_wins(8)  # (no decision yet: the guard alone)
+    plan = ctrl.decide(eight, load=9)
     assert plan.draft_depth == 0 and set(plan.depths.values()) == {0}
-    assert ctrl.decide(fifteen).draft_depth > 0  # judged at 15: speculate
+    assert ctrl.decide(eight).draft_depth > 0  # judged at 8: speculate
+    ctrl.observe_step(StepShape.of(8, 0, 0, PAR), 0.008, 8, load=9)  # (the switch out of speculation)
+    steps = ctrl.guard.summary()["16"]["plain"]["steps"], ctrl.guard.summary()["8"]["plain"]["steps"]
+    ctrl.observe_step(StepShape.of(8, 0, 0, PAR), 0.008, 8, load=9)  # 8 decoding at load 9
+    assert (ctrl.guard.summary()["16"]["plain"]["steps"], ctrl.guard.summary()["8"]["plain"]["steps"]) \
+        == (steps[0] + 1, steps[1])
+    ctrl.observe_step(StepShape.of(8, 0, 0, PAR), 0.008, 8)  # no load named: its requests'
+    assert ctrl.guard.summary()["8"]["plain"]["steps"] == steps[1] + 1
 
 
 def test_the_guard_overrules_a_fit_that_says_plain_where_speculation_was_faster():
@@ -597,3 +615,80 @@ def test_the_guard_overrules_a_fit_that_says_plain_where_speculation_was_faster(
     plans = [ctrl.decide(many) for _ in range(9)]
     assert all(p.draft_depth > 0 and min(p.depths.values()) > 0 for p in plans)
     assert ctrl.decide(many[:8]).draft_depth == 0  # another load (8-15), nothing realized there: the fit
+
+
+def test_a_tie_goes_to_plain_decoding():
+    """Speculation must be realized faster by more than the margin to be chosen: within it the load
+    decodes plainly (what speculating costs beyond its steps, requests finishing out of step and
+    prompts admitted one by one, falls on its side), though the cost fit says speculate."""
+    ctrl = _feed(DepthController(4, PAR, explore_every=1000), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 30,
+                 ["a", "b"])
+    for _ in range(200):  # (the simulated steps before fade from the estimates)
+        ctrl.guard.observe(2, False, 2, 0.010)  # plain: 100 per request-second
+        ctrl.guard.observe(2, True, 2.02, 0.010)  # speculation: 101, within the 2% margin
+    assert not ctrl.guard.plain_faster(2) and not ctrl.guard.speculation_faster(2) and ctrl.guard.prefers_plain(2)
+    assert ctrl.decide(["a", "b"]).draft_depth == 0
+    for _ in range(200):
+        ctrl.guard.observe(2, True, 2.2, 0.010)  # speculation: 110
+    assert ctrl.guard.speculation_faster(2) and not ctrl.guard.prefers_plain(2)
+    assert ctrl.decide(["a", "b"]).draft_depth > 0
+
+
+def test_plain_decoding_is_measured_afresh_in_blocks_while_speculating():
+    """A plain rate measured once, amid speculation or on a slower machine, must not keep a load
+    speculating forever: once the speculative regime has run 1 / retry_budget - 1 times as long
+    as the last plain block took (and retry_every decisions), the guard forgets the plain rate and
+    the load decodes plainly until min_steps plain steps have measured it again; where plain
+    decoding is now the faster, it stays plain."""
+    ctrl = _feed(DepthController(4, PAR, explore_every=1000), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 40,
+                 ["a", "b"])
+    guard = ctrl.guard
+    for _ in range(60):
+        guard.observe(2, False, 2, 0.040)  # a plain rate of 25 per request-second, long ago
+    assert guard.speculation_faster(2) and ctrl.decide(["a", "b"]).draft_depth > 0
+    spec = StepShape.of(2, 8, 4, PAR, spec_requests=2)
+    plans = []
+    for _ in range(200):
+        plan = ctrl.decide(["a", "b"])
+        plans.append(plan)
+        if plan.draft_depth:
+            ctrl.observe_step(spec, 0.014, 6)  # speculation: 214 per request-second
+        else:
+            ctrl.observe_step(StepShape.of(2, 0, 0, PAR), 0.004, 2)  # plain now: 250 per request-second
+    block = next(i for i, p in enumerate(plans) if p.draft_depth == 0)
+    # the last block took 5 plain steps of ~10 ms (in _feed): ~19 times that of speculation first
+    assert block >= guard.retry_every and plans[block].explored
+    assert all(p.draft_depth == 0 for p in plans[block:])  # measured afresh: plain is faster, it stays plain
+    assert guard.prefers_plain(2) and guard.rate(2, speculative=False) == pytest.approx(250)
+
+
+def test_a_load_met_first_in_a_plain_regime_waits_for_its_first_retry_by_the_fits_prediction():
+    """Before any speculative step was measured at a load, the first retry waits as long as the
+    cost fit's prediction of min_steps speculative steps there says (not at once: at 32 in flight
+    a retry costs ~5 steps of 4 plain ones each)."""
+    guard = ThroughputGuard(min_steps=1, retry_every=1)
+    guard.spec_step_prior = lambda n: 0.010 * n  # a speculative step at 32: 0.32 s
+    guard.observe(32, True, 32, 10.0)  # (speculation: far slower; its step time unmeasured below)
+    guard._spec_step_seconds.clear()
+    guard.observe(32, False, 32, 0.010)
+    plain = 0
+    while guard.plain_wins(32):
+        guard.observe(32, False, 32, 0.010)
+        plain += 1
+    assert plain * 0.010 == pytest.approx(19 * 1 * 0.32, abs=0.011)  # 19x one (min_steps) predicted step
+
+
+def test_fitting_often_or_rarely_gives_the_same_cost():
+    """The cost model sums its steps in at the next fit (one numpy pass): the estimate does not
+    depend on how often it is asked for."""
+    gen = random.Random(5)
+    shapes = [(StepShape.of(gen.randint(1, 32), gen.randint(0, 64), gen.randint(0, 8), PAR,
+                            extra_rows=gen.choice([0, 0, 40]), spec_requests=0), gen.uniform(0.005, 0.05))
+              for _ in range(300)]
+    often, rarely = StepCostModel(), StepCostModel()
+    fits = []
+    for shape, seconds in shapes:
+        often.update(shape, seconds)
+        rarely.update(shape, seconds)
+        fits.append(often.fit())
+    assert np.allclose(rarely.fit().coefficients(), fits[-1].coefficients(), rtol=1e-9, atol=1e-12)

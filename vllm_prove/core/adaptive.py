@@ -30,16 +30,17 @@ it all into the per-step policy the engine calls (vllm_prove/engine/adaptive.py)
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation
-PLAIN_PROBE_EVERY = 8  # a plain step this often at a load whose plain rate the guard has not measured
 PLAIN_EXPLORE_SLOWER = 4  # explorations are this much rarer while the fitted plan decodes plainly
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
@@ -155,10 +156,7 @@ def choose_depths(
     feasible = ok.any(axis=-1).all(axis=-1)  # [D]: every request has a depth it may take
     if not feasible.any():  # (speculate, but no request may verify a draft)
         return choose_depths(E, cost, kind, allowed)
-    # the cost of a step with draft depth D and no verified draft, and what a request verifying K
-    # drafts adds to any step (its rows, its multi-token query): the cost is a sum of the two
-    fixed = np.array([cost(StepShape.of(batch, 0, d, kind)) for d in range(width)])  # [D]
-    own = np.array([cost(StepShape.of(batch, k, 0, kind, spec_requests=int(k > 0))) for k in range(width)]) - fixed[0]
+    fixed, own = _step_costs(batch, width, kind, tuple(cost.coefficients().tolist()))
     rows = np.arange(batch)
     choice = ok.argmax(axis=-1)  # [D, batch]: the shallowest depth allowed (0 unless speculating)
     rate = np.where(feasible, E[rows[None, :], choice].sum(axis=1) / (fixed + own[choice].sum(axis=1)), -np.inf)
@@ -174,6 +172,21 @@ def choose_depths(
     return torch.from_numpy(choice[best].copy()), best
 
 
+@functools.lru_cache(maxsize=256)
+def _step_costs(batch: int, width: int, kind: DraftKind, coefficients: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """``choose_depths``' two cost vectors: the cost of a step of ``batch`` requests with draft
+    depth D and no verified draft ([width], by D), and what a request verifying K drafts adds to
+    any step (its rows, its multi-token query; [width], by K): a step's cost is a sum of the two.
+    Cached: the fit changes every few steps, the batch size rarely, and building the shapes is
+    most of a solve's time (read-only arrays)."""
+    cost = StepCost(*coefficients)
+    fixed = np.array([cost(StepShape.of(batch, 0, d, kind)) for d in range(width)])
+    own = np.array([cost(StepShape.of(batch, k, 0, kind, spec_requests=int(k > 0))) for k in range(width)]) - fixed[0]
+    fixed.setflags(write=False)
+    own.setflags(write=False)
+    return fixed, own
+
+
 @dataclass
 class StepCostModel:
     """Online least squares of step seconds on ``StepShape.features()``, exponentially forgetting
@@ -187,6 +200,7 @@ class StepCostModel:
     forget: float = 0.98  # weight of the past per new step: an effective memory of ~50 steps
     _xtx: np.ndarray = field(default_factory=lambda: np.zeros((len(COST_TERMS), len(COST_TERMS))))
     _xty: np.ndarray = field(default_factory=lambda: np.zeros(len(COST_TERMS)))
+    _pending: list = field(default_factory=list)  # (shape, seconds) observed since the last fit
     count: int = 0
 
     def update(self, shape: StepShape, seconds: float) -> None:
@@ -195,19 +209,30 @@ class StepCostModel:
                 or not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"a step needs rows >= requests >= 0, non-negative draft work and finite "
                              f"seconds >= 0, got {shape} in {seconds} s")
-        x = shape.features()
-        self._xtx = self.forget * self._xtx + np.outer(x, x)
-        self._xty = self.forget * self._xty + seconds * x
+        self._pending.append((shape, seconds))  # summed in at the next fit (one numpy pass, not one per step)
         self.count += 1
+        if len(self._pending) >= 64:  # (a plain regime decides without fitting)
+            self._absorb()
+
+    def _absorb(self) -> None:
+        if not self._pending:
+            return
+        x = np.stack([shape.features() for shape, _ in self._pending])  # [n, terms]
+        y = np.array([seconds for _, seconds in self._pending])
+        w = self.forget ** np.arange(len(y) - 1, -1, -1)  # the newest step weighs 1
+        self._xtx = self.forget ** len(y) * self._xtx + (x * w[:, None]).T @ x
+        self._xty = self.forget ** len(y) * self._xty + (x * w[:, None]).T @ y
+        self._pending.clear()
 
     def fit(self) -> StepCost:
         if self.count == 0:
             raise ValueError("no step measured yet: run the start-up probe first")
+        self._absorb()
         active = list(range(len(COST_TERMS)))
         coef = np.zeros(0)
         while active:
             a = self._xtx[np.ix_(active, active)] + 1e-12 * np.eye(len(active))
-            coef = np.linalg.pinv(a, hermitian=True) @ self._xty[active]
+            coef = np.linalg.lstsq(a, self._xty[active], rcond=None)[0]  # the least-norm solution
             negative = [active[i] for i, c in enumerate(coef.tolist()) if c < 0]
             if not negative:
                 break
@@ -231,11 +256,16 @@ class AcceptanceTracker:
     initial: float = 0.5  # the population's acceptance before anything is measured
     _pop_n: np.ndarray = field(init=False)
     _pop_s: np.ndarray = field(init=False)
-    _n: dict = field(default_factory=dict)
-    _s: dict = field(default_factory=dict)
+    # per-request counts in one array (a numpy pass per engine step, not one per request): row 0
+    # stays zero (a request never verified), a request's row is freed when it finishes
+    _counts: np.ndarray = field(init=False)  # [rows, 2, max_depth]: n, s
+    _slot: dict = field(default_factory=dict)  # request id -> its row
+    _free: list = field(default_factory=list)
+    _pop_cache: np.ndarray | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._pop_n, self._pop_s = np.zeros(self.max_depth), np.zeros(self.max_depth)
+        self._counts = np.zeros((1, 2, self.max_depth))
 
     def record(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         """One verification: positions 1..min(n, a+1) were reached; 1..a were accepted."""
@@ -250,28 +280,44 @@ class AcceptanceTracker:
             raise ValueError(f"need 0 <= accepted <= drafted <= max_depth ({self.max_depth}), got "
                              f"{list(zip(num_draft_tokens, num_accepted))}")
         pos = np.arange(self.max_depth)
-        reached = (pos[None, :] < np.minimum(drafted, accepted + 1)[:, None]).astype(np.float64)  # [n, W]
-        taken = (pos[None, :] < accepted[:, None]).astype(np.float64)  # [n, W]
-        for i, rid in enumerate(request_ids):
-            if rid not in self._n:
-                self._n[rid], self._s[rid] = np.zeros(self.max_depth), np.zeros(self.max_depth)
-            self._n[rid] += reached[i]
-            self._s[rid] += taken[i]
-        self._pop_n += reached.sum(axis=0)
-        self._pop_s += taken.sum(axis=0)
+        seen = np.stack([pos[None, :] < np.minimum(drafted, accepted + 1)[:, None],  # reached
+                         pos[None, :] < accepted[:, None]], axis=1).astype(np.float64)  # taken: [n, 2, W]
+        rows = [self._row(r) for r in request_ids]  # (first: a new request may grow the array)
+        np.add.at(self._counts, rows, seen)  # (a repeated id counts twice)
+        pooled = seen.sum(axis=0)
+        self._pop_n += pooled[0]
+        self._pop_s += pooled[1]
+        self._pop_cache = None
+
+    def _row(self, request_id) -> int:
+        row = self._slot.get(request_id)
+        if row is None:
+            if not self._free:
+                grown = len(self._counts)
+                self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+                self._free = list(range(len(self._counts) - 1, grown - 1, -1))
+            row = self._slot[request_id] = self._free.pop()
+        return row
 
     def forget(self, request_id) -> None:
         """A finished request leaves (the population keeps what it taught)."""
-        self._n.pop(request_id, None)
-        self._s.pop(request_id, None)
+        row = self._slot.pop(request_id, None)
+        if row is not None:
+            self._counts[row] = 0.0
+            self._free.append(row)
 
     def population(self) -> torch.Tensor:  # [max_depth] float64
         """Pooled over every request; each position shrunk towards the one before it (the first
         towards `initial`) by `prior` pseudo-observations (a position drafted twice and rejected
         twice is not yet known to be worthless)."""
-        return torch.from_numpy(self._population())
+        return torch.from_numpy(self._population().copy())
 
     def _population(self) -> np.ndarray:
+        if self._pop_cache is None:
+            self._pop_cache = self._pool()
+        return self._pop_cache
+
+    def _pool(self) -> np.ndarray:
         # position i is shrunk towards position i - 1's estimate (position 1 towards `initial`):
         # a position rarely drafted is believed as good as the one before it, not as a coin flip,
         # so a drafter that is never tried deep is not kept shallow by a pessimistic prior
@@ -284,12 +330,10 @@ class AcceptanceTracker:
         return torch.from_numpy(self._rates(request_ids))
 
     def _rates(self, request_ids: list) -> np.ndarray:
-        pop, zero = self._population(), np.zeros(self.max_depth)
         if not request_ids:
             return np.zeros((0, self.max_depth))
-        n = np.stack([self._n.get(r, zero) for r in request_ids])
-        s = np.stack([self._s.get(r, zero) for r in request_ids])
-        return (s + self.prior * pop) / (n + self.prior)
+        counts = self._counts[[self._slot.get(r, 0) for r in request_ids]]  # [batch, 2, W]
+        return (counts[:, 1] + self.prior * self._population()) / (counts[:, 0] + self.prior)
 
 
 class ThroughputGuard:
@@ -327,29 +371,47 @@ class ThroughputGuard:
         self._spec_step_seconds: dict[int, float] = {}  # bucket -> a speculative step's seconds (running mean)
         self._retrying: set[int] = set()  # buckets measuring speculation afresh
         self._retries: Counter = Counter()  # bucket -> retries so far
+        self._plain_block: set[int] = set()  # buckets measuring plain decoding afresh
+        self._block_seconds: Counter = Counter()  # bucket -> seconds its last (or current) plain block took
+        self._spec_decisions: Counter = Counter()  # bucket -> speculative decisions since its last plain block
+        self._spec_seconds: Counter = Counter()  # bucket -> seconds of speculative steps since its last plain block
+        # load -> a speculative step's predicted seconds, for a load with none measured (the controller's cost fit)
+        self.spec_step_prior: Callable[[int], float] | None = None
 
     @staticmethod
     def bucket(num_requests: int) -> int:
-        return max(1, num_requests).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | ...
+        """1 | 2 | 3-4 | 5-8 | 9-16 | ...: a load of up to n in flight stays in one bucket while its
+        steps dip below n (between a finish and the admission that replaces it); with buckets
+        that start at a power of two (8-15 | 16-31) 16 in flight straddled two of them, and its
+        steps at 13 were measured with those of 8 in flight."""
+        return (max(1, num_requests) - 1).bit_length()
 
     def observe(self, num_requests: int, speculative: bool, committed: int, seconds: float,
-                counted: bool = True) -> None:
-        """A step: its time always counts towards the retry budget; its rate only if `counted`."""
+                counted: bool = True, load: int | None = None, prefill_seconds: float = 0.0) -> None:
+        """A step of `num_requests` requests: its time always counts towards the retry budget; its
+        rate only if `counted`, without `prefill_seconds` (what its prompt chunks cost: the same
+        work in either regime, charged to neither) and only if time is left once they are out.
+        `load`: the load it was decided at, whose bucket it feeds (default `num_requests`)."""
         if seconds <= 0 or num_requests <= 0:
             return
-        bucket = self.bucket(num_requests)
+        bucket = self.bucket(load or num_requests)
         if bucket in self._retrying:
             self._retry_seconds[bucket] += seconds
-        elif not speculative:
+        elif bucket in self._plain_block:
+            self._block_seconds[bucket] += seconds
+        elif speculative:
+            self._spec_seconds[bucket] += seconds
+        else:
             self._plain_seconds[bucket] += seconds
-        if not counted:
-            return
-        if speculative:
+        if speculative and counted:  # (the retry budget's unit: a whole step, prompt chunks and all)
             last = self._spec_step_seconds.get(bucket, seconds)
             self._spec_step_seconds[bucket] = self.decay * last + (1 - self.decay) * seconds
+        decoding = seconds - prefill_seconds
+        if not counted or decoding <= 0:
+            return
         sums = self._sums.setdefault((bucket, speculative), [0.0, 0.0, 0])
         sums[0] = self.decay * sums[0] + committed
-        sums[1] = self.decay * sums[1] + seconds * num_requests
+        sums[1] = self.decay * sums[1] + decoding * num_requests
         sums[2] += 1
 
     def rate(self, num_requests: int, speculative: bool) -> float | None:
@@ -365,6 +427,41 @@ class ThroughputGuard:
     def plain_faster(self, num_requests: int) -> bool:
         """Whether plain decoding has been faster at this load (by more than `margin`)."""
         return self._ahead(num_requests, speculative=False)
+
+    def prefers_plain(self, num_requests: int) -> bool:
+        """Whether this load decodes plainly: both regimes are measured and speculation is not the
+        faster by more than `margin`. A tie goes to plain decoding: what speculating costs beyond
+        its own steps (requests finish out of step, so prompts are admitted one by one and never
+        again as a wave) falls on its side."""
+        return self.knows(num_requests, speculative=False) and self.knows(num_requests, speculative=True) \
+            and not self.speculation_faster(num_requests)
+
+    def plain_block(self, num_requests: int) -> bool:
+        """Whether this load should decode plainly now to measure plain decoding afresh: where its
+        plain rate is unknown, and while it speculates once the speculative regime has run
+        `1 / retry_budget - 1` times as long as the last block took (and `retry_every`
+        decisions). A block runs until `min_steps` of its plain steps are counted (the first one,
+        right after speculative steps, pays for the switch and is not:
+        `DepthController.observe_step`), so the rate speculation is compared with is neither
+        stale nor that of isolated steps amid speculation."""
+        bucket = self.bucket(num_requests)
+        if bucket in self._plain_block:
+            if not self.knows(num_requests, speculative=False):
+                return True
+            self._plain_block.discard(bucket)
+            self._spec_decisions[bucket], self._spec_seconds[bucket] = 0, 0.0
+            return False
+        if bucket in self._retrying or self.prefers_plain(num_requests):
+            return False  # (a plain regime measures plain decoding all the time)
+        if self.knows(num_requests, speculative=False):
+            self._spec_decisions[bucket] += 1
+            wait = self._block_seconds[bucket] * (1 / self.retry_budget - 1)
+            if self._spec_decisions[bucket] <= self.retry_every or self._spec_seconds[bucket] < wait:
+                return False
+            self._sums.pop((bucket, False), None)  # forget plain decoding's rate, measure it again
+        self._plain_block.add(bucket)
+        self._block_seconds[bucket] = 0.0
+        return True
 
     def speculation_faster(self, num_requests: int) -> bool:
         """Whether speculative steps have been faster at this load (by more than `margin`)."""
@@ -387,15 +484,20 @@ class ThroughputGuard:
             if not self.knows(num_requests, speculative=True):
                 return False  # the retry goes on until speculation is measured afresh
             self._retrying.discard(bucket)
-            if self.plain_faster(num_requests):  # plain still ahead: back to plain, the budget restarts
+            if self.prefers_plain(num_requests):  # plain still ahead: back to plain, the budget restarts
                 self._forced[bucket], self._plain_seconds[bucket] = 1, 0.0
                 return True
-        if not self.plain_faster(num_requests):
+        if not self.prefers_plain(num_requests):
             self._forced[bucket], self._plain_seconds[bucket] = 0, 0.0
             return False
         self._forced[bucket] += 1
         # the last retry's time, or before the first one what `min_steps` speculative steps cost
-        expected = max(self._retry_seconds[bucket], self.min_steps * self._spec_step_seconds.get(bucket, 0.0))
+        # (measured at this load, else as `spec_step_prior` predicts: a load first met in a plain
+        # regime would otherwise retry at once, at 32 in flight ~5 steps of 4 plain ones' cost)
+        step = self._spec_step_seconds.get(bucket)
+        if step is None and self.spec_step_prior is not None:
+            step = self.spec_step_prior(num_requests)
+        expected = max(self._retry_seconds[bucket], self.min_steps * (step or 0.0))
         wait = expected * (1 / self.retry_budget - 1)
         if self._forced[bucket] <= self.retry_every or self._plain_seconds[bucket] < wait:
             return True
@@ -408,7 +510,7 @@ class ThroughputGuard:
     def summary(self) -> dict:
         out = {}
         for (bucket, speculative), (tokens, seconds, steps) in sorted(self._sums.items()):
-            entry = out.setdefault(str(2 ** (bucket - 1)), {})
+            entry = out.setdefault(str(2 ** bucket), {})  # a bucket by its largest load
             entry["speculative" if speculative else "plain"] = {"tok_per_req_s": round(tokens / seconds, 1),
                                                                 "steps": steps}
             if self._retries[bucket]:
@@ -458,6 +560,7 @@ class DepthController:
         self.tracker = AcceptanceTracker(max_depth=max(max_depth, 1))
         self.costs = StepCostModel()
         self.guard = ThroughputGuard()
+        self.guard.spec_step_prior = self._predicted_spec_step
         self.steps = 0
         self.depth_counts: Counter = Counter()  # K_r over every (request, step) decided
         self.draft_depth_counts: Counter = Counter()
@@ -470,11 +573,11 @@ class DepthController:
 
     def decide(self, request_ids: list, pinned=frozenset(), load: int | None = None) -> Decision:
         """Depths for the decoding ``request_ids``. ``load``: the requests the step will run
-        (default: the decoding ones), the load the throughput guard judges, as it counts a step's
-        requests: at a steady 16 in flight the step after a request finishes decodes 15 and admits
-        the 16th, and judged at 15 against 16 (another bucket) the decision would flip between
-        regimes with every finish, each switch costing a draft pass whose drafts the next step
-        drops. While any ``pinned`` request runs (decoding or not) the whole batch takes the full
+        (default: the decoding ones), the load the throughput guard judges, and the one the step's
+        observation should name (``observe_step(load=...)``): at a steady 16 in flight the step
+        after a request finishes decodes 15 and admits the 16th; judged by its decoding requests
+        the decision could flip between regimes with every finish, each switch costing a draft
+        pass whose drafts the next step drops. While any ``pinned`` request runs (decoding or not) the whole batch takes the full
         depth, as with a fixed depth: a seeded request that samples consumes its generator per
         draft, and vLLM's sampling of a batch is only reproducible request by request when every
         step has the same shape, so its text must not depend on the load."""
@@ -497,19 +600,24 @@ class DepthController:
         if step < len(self.probe) or self.costs.count == 0:
             d = self.probe[step % len(self.probe)]
             return Decision({r: d for r in request_ids}, d, True)
-        if step % PLAIN_PROBE_EVERY == 0 and not self.guard.knows(load, speculative=False):
-            # the guard has no plain rate at this load yet: measure one
+        refit = self.last_cost is None or step % self.refit_every == 0
+        if refit:  # (in every regime: the guard takes each step's prompt rows out with it)
+            self.last_cost = self.costs.fit()
+        if self.guard.plain_block(load):  # the guard measures plain decoding here (afresh)
             return Decision(dict.fromkeys(request_ids, 0), 0, True)
         # while the plan is plain, an exploration drafts for a step that drops the drafts (a whole
         # wasted draft pass): it comes PLAIN_EXPLORE_SLOWER times less often
         every = self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)
-        if step % every == 0 and not self.guard.plain_faster(load) \
+        if step % every == 0 and not self.guard.prefers_plain(load) \
                 and not self.guard.retrying(load):
             # (where plain decoding has been faster, the guard's retries explore instead)
             i = self.choices.index(self._last_draft_depth)
-            near = {0, self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]}
-            d = self._rng.choice(sorted(near - {self._last_draft_depth}) or [0])
-            return Decision({r: d for r in request_ids}, d, True)
+            # (plain decoding is the guard's to measure, in blocks: a lone plain step would cost a
+            # step that drafts with nothing to verify after it)
+            near = {self.choices[max(i - 1, 0)], self.choices[min(i + 1, len(self.choices) - 1)]} - {0}
+            if near - {self._last_draft_depth}:
+                d = self._rng.choice(sorted(near - {self._last_draft_depth}))
+                return Decision({r: d for r in request_ids}, d, True)
         if self.guard.plain_wins(load):  # realized: plain decoding is faster here (no solve)
             self._last_draft_depth = 0  # the plan in force is plain (explorations, a prefill-only step)
             return Decision(dict.fromkeys(request_ids, 0), 0, False)
@@ -519,11 +627,9 @@ class DepthController:
         speculate = self.guard.retrying(load)
         overrule = not speculate and self.guard.speculation_faster(load)
         key = (tuple(request_ids), speculate, overrule)
-        if self.last_cost is None or step % self.refit_every == 0 or key != self._cached[0]:
+        if refit or key != self._cached[0]:
             # a new fit, or other requests: solve again; else the same requests keep their depths
             # until the next fit (acceptance moves slowly; a step must not wait ~0.1 ms for it)
-            if self.last_cost is None or step % self.refit_every == 0:
-                self.last_cost = self.costs.fit()
             expected = _expected_np(self.tracker._rates(request_ids)[:, : self.max_depth])
             allowed = np.broadcast_to(self._allowed_row, (len(request_ids), self.max_depth + 1))
             depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=speculate)
@@ -537,13 +643,21 @@ class DepthController:
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
 
+    def _predicted_spec_step(self, num_requests: int) -> float:
+        """Seconds of a step in which `num_requests` requests verify and draft the full depth, as
+        the cost fit predicts it (0 before any fit)."""
+        d = self.choices[-1]
+        cost = self.last_cost
+        return 0.0 if cost is None else cost(StepShape.of(num_requests, num_requests * d, d, self.kind,
+                                                           spec_requests=num_requests))
+
     def draft_depth_for(self, num_running: int, planned: int) -> int:
         """The draft depth of a step whose drafts the next step verifies at `num_running` requests
         (the requests running once this step's prompts are admitted): none where plain decoding
         wins at that load, whose next step would drop the drafts (a new wave of prompts, admitted
         while a straggler of the last wave speculates at its own low load, or in a step of only
         prompts); else `planned` (this step's plan, or the depth in force)."""
-        if self.policy == "measured" and self.guard.plain_faster(num_running):
+        if self.policy == "measured" and self.guard.prefers_plain(num_running):
             return 0
         return planned
 
@@ -553,7 +667,7 @@ class DepthController:
         return decision
 
     def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None,
-                     explored: bool = False) -> None:
+                     explored: bool = False, load: int | None = None) -> None:
         """A step's shape and duration (the cost fit); with `committed` (tokens the step
         committed) also the throughput guard, in the step's regime: plain if it verified and
         drafted nothing, else speculative. Every step of a regime counts: a step that only drafts
@@ -566,16 +680,28 @@ class DepthController:
         of switching, which a short retry would carry alone); and a plain step that was
         `explored` (a probe in a speculative regime) and carries a prompt chunk: it costs several
         decode steps, and met by chance by one of a few probes it would drag the plain rate far
-        down (docs/METHODS.md §9)."""
+        down (docs/METHODS.md §9). `load`: the load the step was decided at (``decide``), whose
+        bucket of the guard the step feeds (default: its requests)."""
         self.costs.update(shape, seconds)
-        switch = shape.spec_requests == 0 and shape.draft_depth > 0 and self._observed_draft_depth == 0
-        self._observed_draft_depth = shape.draft_depth
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
+        # a switch: into speculation, a step that drafts with nothing to verify; out of it, the
+        # first plain step (~5% dearer than the next ones on a CPU)
+        switch = speculative != (self._observed_draft_depth > 0) and shape.spec_requests == 0
+        self._observed_draft_depth = shape.draft_depth
         if committed is None:
             return
-        skip = switch or (explored and shape.prefill_rows and not speculative) \
-            or self.steps <= len(self.probe) and self.policy == "measured"
-        self.guard.observe(shape.requests, speculative, committed, seconds, counted=not skip)
+        skip = switch or self.steps <= len(self.probe) and self.policy == "measured"
+        self.guard.observe(shape.requests, speculative, committed, seconds, counted=not skip, load=load,
+                           prefill_seconds=self._prefill_seconds(shape))
+
+    def _prefill_seconds(self, shape: StepShape) -> float:
+        """What the step's prompt chunks cost, as the cost fit has it: the step's predicted cost
+        less that of the same step without them (0 before the first fit, or without a chunk)."""
+        if not shape.prefill_rows or self.last_cost is None:
+            return 0.0
+        decode = StepShape.of(shape.requests, shape.rows - shape.requests - shape.prefill_rows, shape.draft_depth,
+                              self.kind, spec_requests=shape.spec_requests)
+        return max(0.0, self.last_cost(shape) - self.last_cost(decode))
 
     def observe_verification(self, request_id, num_draft_tokens: int, num_accepted: int) -> None:
         self.observe_verifications([request_id], [num_draft_tokens], [num_accepted])

@@ -80,7 +80,8 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
         self._plan = None
         self._step_start = 0.0
-        self._pending = None  # (shape, committed, explored, start, end) of the last step, until observed
+        self._pending = None  # (shape, committed, explored, load, start, end) of the last step, until observed
+        self._load = 0  # the load the step was decided at
         self._last_log = time.monotonic()
         self._own_seconds = 0.0
 
@@ -93,6 +94,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         # the load the step runs: the running requests and those it can admit from the queue
         load = min(sum(self.get_request_counts()), self.max_num_running_reqs)
         self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned, load)
+        self._load = load
         for request in decoding:
             del request.spec_token_ids[plan.depths[request.request_id]:]
         mid = time.perf_counter()
@@ -146,7 +148,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                 committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
             # observed once the engine has fetched the step's drafts (a round trip to the workers
             # that is part of the step's cost), or at the next step when it fetched none
-            self._pending = (shape, committed, self._plan.explored, self._step_start, time.perf_counter())
+            self._pending = (shape, committed, self._plan.explored, self._load, self._step_start, time.perf_counter())
         self._plan = None
         self._own_seconds += time.perf_counter() - start
         return outputs
@@ -160,9 +162,9 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         """Feed the last step to the controller: from the start of its ``schedule`` to the end of
         its ``update_from_output``, and on through the draft fetch when there was one."""
         start = time.perf_counter()
-        shape, committed, explored, step_start, step_end = self._pending
+        shape, committed, explored, load, step_start, step_end = self._pending
         self._pending = None
-        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed, explored)
+        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed, explored, load)
         self._maybe_log()
         self._own_seconds += time.perf_counter() - start
 

@@ -634,18 +634,14 @@ def test_a_tie_goes_to_plain_decoding():
     assert ctrl.decide(["a", "b"]).draft_depth > 0
 
 
-def test_plain_decoding_is_measured_afresh_in_blocks_while_speculating():
-    """A plain rate measured once, amid speculation or on a slower machine, must not keep a load
-    speculating forever: once the speculative regime has run 1 / retry_budget - 1 times as long
-    as the last plain block took (and retry_every decisions), the guard forgets the plain rate and
-    the load decodes plainly until min_steps plain steps have measured it again; where plain
-    decoding is now the faster, it stays plain."""
+def _speculate_with_plain_measured_at(plain_seconds: float) -> tuple[DepthController, list]:
+    """200 decisions at 2 requests whose plain rate was once measured as 2 tokens per
+    `plain_seconds` step, where speculation realizes 214 per request-second and plain decoding
+    (whenever decided) now 250."""
     ctrl = _feed(DepthController(4, PAR, explore_every=1000), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 40,
                  ["a", "b"])
-    guard = ctrl.guard
-    for _ in range(60):
-        guard.observe(2, False, 2, 0.040)  # a plain rate of 25 per request-second, long ago
-    assert guard.speculation_faster(2) and ctrl.decide(["a", "b"]).draft_depth > 0
+    for _ in range(200):  # (the simulated steps before fade from the estimates)
+        ctrl.guard.observe(2, False, 2, plain_seconds)
     spec = StepShape.of(2, 8, 4, PAR, spec_requests=2)
     plans = []
     for _ in range(200):
@@ -655,11 +651,26 @@ def test_plain_decoding_is_measured_afresh_in_blocks_while_speculating():
             ctrl.observe_step(spec, 0.014, 6)  # speculation: 214 per request-second
         else:
             ctrl.observe_step(StepShape.of(2, 0, 0, PAR), 0.004, 2)  # plain now: 250 per request-second
+    return ctrl, plans
+
+
+def test_plain_decoding_is_measured_afresh_in_blocks_while_speculating():
+    """A plain rate measured once, amid speculation or on a slower machine, must not keep a load
+    speculating forever where the two are close: once the speculative regime has run
+    1 / retry_budget - 1 times as long as the last plain block took (and retry_every decisions),
+    the guard forgets the plain rate and the load decodes plainly until min_steps plain steps have
+    measured it again; where plain decoding is now the faster, it stays plain. Where speculation
+    is far ahead of the plain rate (more than REFRESH_WITHIN) no block is worth its cost."""
+    ctrl, plans = _speculate_with_plain_measured_at(0.005)  # once: 200 per request-second
+    guard = ctrl.guard
+    assert plans[0].draft_depth > 0
     block = next(i for i, p in enumerate(plans) if p.draft_depth == 0)
     # the last block took 5 plain steps of ~10 ms (in _feed): ~19 times that of speculation first
     assert block >= guard.retry_every and plans[block].explored
     assert all(p.draft_depth == 0 for p in plans[block:])  # measured afresh: plain is faster, it stays plain
-    assert guard.prefers_plain(2) and guard.rate(2, speculative=False) == pytest.approx(250)
+    assert guard.prefers_plain(2) and guard.rate(2, speculative=False) == pytest.approx(250, rel=1e-3)
+    ctrl, plans = _speculate_with_plain_measured_at(0.040)  # once: 25 per request-second
+    assert all(p.draft_depth > 0 for p in plans) and ctrl.guard.rate(2, speculative=False) == pytest.approx(25, rel=1e-3)
 
 
 def test_a_load_met_first_in_a_plain_regime_waits_for_its_first_retry_by_the_fits_prediction():

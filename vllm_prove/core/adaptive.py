@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation
+REFRESH_WITHIN = 0.15  # a load's plain rate is measured afresh while speculation is ahead by less than this
 PLAIN_EXPLORE_SLOWER = 4  # explorations are this much rarer while the fitted plan decodes plainly
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
@@ -438,9 +439,10 @@ class ThroughputGuard:
 
     def plain_block(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now to measure plain decoding afresh: where its
-        plain rate is unknown, and while it speculates once the speculative regime has run
-        `1 / retry_budget - 1` times as long as the last block took (and `retry_every`
-        decisions). A block runs until `min_steps` of its plain steps are counted (the first one,
+        plain rate is unknown, and while it speculates less than `REFRESH_WITHIN` ahead of it,
+        once the speculative regime has run `1 / retry_budget - 1` times as long as the last
+        block took (and `retry_every` decisions; at a low load a plain step costs the gap to a
+        speculative one and a switch, so where speculation is far ahead no block is worth it). A block runs until `min_steps` of its plain steps are counted (the first one,
         right after speculative steps, pays for the switch and is not:
         `DepthController.observe_step`), so the rate speculation is compared with is neither
         stale nor that of isolated steps amid speculation."""
@@ -453,7 +455,10 @@ class ThroughputGuard:
             return False
         if bucket in self._retrying or self.prefers_plain(num_requests):
             return False  # (a plain regime measures plain decoding all the time)
-        if self.knows(num_requests, speculative=False):
+        spec, plain = self.rate(num_requests, speculative=True), self.rate(num_requests, speculative=False)
+        if spec is not None and plain is not None and spec > plain * (1 + REFRESH_WITHIN):
+            return False  # far ahead: a few % of bias in the plain rate cannot change the decision
+        if plain is not None:
             self._spec_decisions[bucket] += 1
             wait = self._block_seconds[bucket] * (1 / self.retry_budget - 1)
             if self._spec_decisions[bucket] <= self.retry_every or self._spec_seconds[bucket] < wait:

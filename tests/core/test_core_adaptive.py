@@ -703,3 +703,36 @@ def test_fitting_often_or_rarely_gives_the_same_cost():
         rarely.update(shape, seconds)
         fits.append(often.fit())
     assert np.allclose(rarely.fit().coefficients(), fits[-1].coefficients(), rtol=1e-9, atol=1e-12)
+
+
+def test_a_load_above_one_where_plain_decoding_won_decodes_plainly_unmeasured():
+    """The more requests a step runs, the dearer its extra query rows: where plain decoding won at
+    9-16 in flight, 17-32 decodes plainly from its first step without speculating to measure it
+    (no exploration, no retry, no drafts for a new wave), though the cost fit says speculate;
+    once the lower load's retry puts speculation ahead, the fit decides again. A load below it
+    is not concerned, nor a load that measured both regimes itself."""
+    ctrl = _feed(DepthController(8, PAR, explore_every=4), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 40,
+                 ["a"])  # the cost fit: speculate
+    guard = ctrl.guard
+    for _ in range(8):
+        guard.observe(16, False, 16, 0.008)  # 9-16 running: plain 125 per request-second
+        guard.observe(16, True, 24, 0.024)  # speculative 62.5
+    many = [f"r{i}" for i in range(32)]
+    assert guard.prefers_plain(32) and not guard.prefers_plain(8)
+    plans = [ctrl.decide(many) for _ in range(300)]
+    assert all(p.draft_depth == 0 and set(p.depths.values()) == {0} for p in plans)
+    assert ctrl.draft_depth_for(32, 8) == 0 and guard.summary().get("32", {}).get("retries") is None
+    for _ in range(60):
+        guard.observe(16, True, 64, 0.024)  # speculation at 9-16 now 167 per request-second
+    assert not guard.prefers_plain(32)
+    block = ctrl.decide(many)  # the load's own plain rate first (it has none), then the fit's plan
+    assert block.draft_depth == 0 and block.explored
+    for _ in range(guard.min_steps + 1):  # (the first: the switch out of speculation)
+        ctrl.observe_step(StepShape.of(32, 0, 0, PAR), 0.010, 32, explored=True)
+    assert guard.knows(32, speculative=False) and ctrl.decide(many).draft_depth > 0
+    for _ in range(8):
+        guard.observe(32, False, 32, 0.010)  # 17-32's own rates: speculation ahead there
+        guard.observe(32, True, 96, 0.010)
+    for _ in range(60):
+        guard.observe(16, True, 24, 0.024)  # 9-16 plain again
+    assert guard.prefers_plain(16) and not guard.prefers_plain(32)

@@ -418,8 +418,18 @@ class ThroughputGuard:
     def rate(self, num_requests: int, speculative: bool) -> float | None:
         """Realized committed tokens per request-second at this load, or None before `min_steps`
         steps."""
-        sums = self._sums.get((self.bucket(num_requests), speculative))
+        return self._rate_at(self.bucket(num_requests), speculative)
+
+    def _rate_at(self, bucket: int, speculative: bool) -> float | None:
+        sums = self._sums.get((bucket, speculative))
         return sums[0] / sums[1] if sums is not None and sums[2] >= self.min_steps else None
+
+    def _measured_plain_preferred(self, bucket: int) -> bool | None:
+        """Whether the bucket's own rates prefer plain decoding (None: not both measured)."""
+        spec, plain = self._rate_at(bucket, True), self._rate_at(bucket, False)
+        if spec is None or plain is None:
+            return None
+        return not spec > plain * (1 + self.margin)
 
     def knows(self, num_requests: int, speculative: bool) -> bool:
         """Whether this load has `min_steps` decode steps of the kind measured."""
@@ -431,11 +441,19 @@ class ThroughputGuard:
 
     def prefers_plain(self, num_requests: int) -> bool:
         """Whether this load decodes plainly: both regimes are measured and speculation is not the
-        faster by more than `margin`. A tie goes to plain decoding: what speculating costs beyond
-        its own steps (requests finish out of step, so prompts are admitted one by one and never
-        again as a wave) falls on its side."""
-        return self.knows(num_requests, speculative=False) and self.knows(num_requests, speculative=True) \
-            and not self.speculation_faster(num_requests)
+        faster by more than `margin` (a tie goes to plain decoding: what speculating costs beyond
+        its own steps, requests finishing out of step so that prompts are admitted one by one and
+        never again as a wave, falls on its side); or, where this load has not measured both, a
+        lower load prefers plain decoding by its own measurements: the more requests a step
+        runs, the dearer its extra query rows, so plain decoding that wins at 16 in flight wins
+        at 32 (and the lower load's retries keep testing it). Never during a retry (it speculates
+        until measured)."""
+        if self.bucket(num_requests) in self._retrying:
+            return False
+        own = self._measured_plain_preferred(self.bucket(num_requests))
+        if own is not None:
+            return own
+        return any(self._measured_plain_preferred(b) for b in range(self.bucket(num_requests)))
 
     def plain_block(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now to measure plain decoding afresh: where its
@@ -495,6 +513,8 @@ class ThroughputGuard:
         if not self.prefers_plain(num_requests):
             self._forced[bucket], self._plain_seconds[bucket] = 0, 0.0
             return False
+        if self._measured_plain_preferred(bucket) is None:
+            return True  # plain by a lower load's measurements, whose retries test it
         self._forced[bucket] += 1
         # the last retry's time, or before the first one what `min_steps` speculative steps cost
         # (measured at this load, else as `spec_step_prior` predicts: a load first met in a plain

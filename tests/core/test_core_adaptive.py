@@ -211,22 +211,25 @@ def _feed(ctrl, truth, accept, steps, requests):
 def test_guard_learns_the_plain_rate_of_vllms_draft_model_too():
     """vLLM's draft model runs a pass over the verified rows even at D = 0, so a plain step of
     mode `sd` has a draft pass; it drafts no token, and the guard must count it as plain (else the
-    plain rate is never known and a plain probe step runs every PLAIN_PROBE_EVERY steps forever);
-    a step that only verifies belongs to the speculative regime (it commits what the step before
-    drafted)."""
+    plain rate is never known and a plain block never ends); a step that only verifies belongs to
+    the speculative regime (it commits what the step before drafted). A load's first speculative
+    steps (new shapes: slow first passes) do not count."""
     ctrl = _past_probe(DepthController(5, SEQ), ["a"])
     for _ in range(4):
         ctrl.observe_step(StepShape.of(1, 0, 0, SEQ), 0.003, 1)  # plain: one token, one re-read pass
     assert ctrl.guard.knows(1, speculative=False) and not ctrl.guard.knows(1, speculative=True)
     for _ in range(4):
+        ctrl.observe_step(StepShape.of(1, 5, 0, SEQ, spec_requests=1), 0.040, 6)  # the load's first: not counted
+    assert not ctrl.guard.knows(1, speculative=True)
+    for _ in range(4):
         ctrl.observe_step(StepShape.of(1, 5, 0, SEQ, spec_requests=1), 0.004, 6)  # verifies, drafts nothing
     assert ctrl.guard.rate(1, speculative=True) == pytest.approx(6 / 0.004)
     assert ctrl.guard.rate(1, speculative=False) == pytest.approx(1 / 0.003)
-    # one request, speculation much faster: after the probe, plain steps are rare (explorations only)
+    # one request, speculation much faster: after the probe, no plain steps (no block is worth it)
     cheap = StepCost(c_0=0.003, c_req=0.0, c_row=0.00002, c_pass=0.0005, c_draft_row=0.00002)
     ctrl = _feed(DepthController(5, SEQ), cheap, 0.9, 100, ["a"])
     plain = sum(ctrl.decide(["a"]).draft_depth == 0 for _ in range(200))
-    assert plain <= 200 // 32 + 1  # not one in PLAIN_PROBE_EVERY
+    assert plain == 0
 
 
 def test_controller_probes_then_follows_the_load():

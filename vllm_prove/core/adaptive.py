@@ -592,6 +592,7 @@ class DepthController:
         self.last_cost: StepCost | None = None  # the fit the measured decisions use
         self._last_draft_depth = self.choices[-1]
         self._observed_draft_depth = 0  # the draft depth of the last step observed
+        self._first_steps: Counter = Counter()  # guard bucket -> speculative steps observed there
         self._cached: tuple = (((), False, False), {}, 0)  # ((ids, retry, overrule), depths, D) of the last solve
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
@@ -716,6 +717,13 @@ class DepthController:
         if committed is None:
             return
         skip = switch or self.steps <= len(self.probe) and self.policy == "measured"
+        if speculative:
+            # a load's first speculative steps (the start-up probe's and switches included) run new
+            # shapes, whose first passes are slow on a CPU (at 2 in flight they once kept a load
+            # plain for 1.4 s): they do not count
+            bucket = self.guard.bucket(load or shape.requests)
+            skip = skip or self._first_steps[bucket] < self.guard.min_steps
+            self._first_steps[bucket] += 1
         self.guard.observe(shape.requests, speculative, committed, seconds, counted=not skip, load=load,
                            prefill_seconds=self._prefill_seconds(shape))
 

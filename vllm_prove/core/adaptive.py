@@ -338,14 +338,16 @@ class AcceptanceTracker:
 
 
 class ThroughputGuard:
-    """A model-free check on the fitted policy: per load (running requests, in power-of-two
-    buckets), the committed tokens per request-second the engine *realized* in its plain regime
-    and in its speculative regime (exponentially weighted sums of tokens and of seconds times
-    requests: per request, so that steps at 9 and at 15 running requests compare fairly). The
-    speculative regime's steps that only draft or only verify, and its steps with a prefill chunk,
-    are part of what speculating costs; which steps count is `DepthController.observe_step`'s
-    choice. Where plain steps have been faster by more than `margin`, `plain_wins` tells the
-    controller to decode plainly, but for a *retry* now and then: the speculative estimate of the
+    """A model-free check on the fitted policy: per load (requests a step runs, in buckets of up
+    to 1, 2, 4, 8, ...), the committed tokens per request-second the engine *realized* in its
+    plain regime and in its speculative regime (exponentially weighted sums of tokens and of
+    seconds times requests: per request, so that steps at 9 and at 15 running requests compare
+    fairly). The speculative regime's steps that only draft or only verify, and its steps with a
+    prefill chunk, are part of what speculating costs; which steps count is
+    `DepthController.observe_step`'s choice. Plain decoding is measured in blocks (`plain_block`).
+    Unless speculation has been faster by more than `margin` (`prefers_plain`: a tie, or a lower
+    load's verdict where this one measured only one regime, goes to plain decoding), `plain_wins`
+    tells the controller to decode plainly, but for a *retry* now and then: the speculative estimate of the
     load is forgotten and speculation runs until `min_steps` steps have measured it afresh (a
     stale estimate, or one left by a few unlucky steps, must not outvote the present), then the
     two rates compare again.
@@ -390,8 +392,8 @@ class ThroughputGuard:
     def observe(self, num_requests: int, speculative: bool, committed: int, seconds: float,
                 counted: bool = True, load: int | None = None, prefill_seconds: float = 0.0) -> None:
         """A step of `num_requests` requests: its time always counts towards the retry budget; its
-        rate only if `counted`, without `prefill_seconds` (what its prompt chunks cost: the same
-        work in either regime, charged to neither) and only if time is left once they are out.
+        rate only if `counted`, without `prefill_seconds` (what its prompt chunks cost, where the
+        caller charges them to neither regime) and only if time is left once they are out.
         `load`: the load it was decided at, whose bucket it feeds (default `num_requests`)."""
         if seconds <= 0 or num_requests <= 0:
             return
@@ -560,9 +562,10 @@ class DepthController:
     The first decisions with running requests cycle through the draft depths twice (every
     request verifying all it holds), so the cost fit has seen cheap and dear steps before it
     decides anything (the start-up probe). Afterwards one step in ``explore_every`` tries a
-    neighbour of the current draft depth or depth 0, so the fit keeps seeing more than the one
-    step shape it would otherwise choose forever, at the price of one slightly-off step in 32
-    (``PLAIN_EXPLORE_SLOWER`` times rarer while the plan is plain: the next step drops its drafts).
+    neighbouring draft depth (plain decoding is the throughput guard's to measure, in blocks), so
+    the fit keeps seeing more than the one step shape it would otherwise choose forever, at the
+    price of one slightly-off step in 32 (``PLAIN_EXPLORE_SLOWER`` times rarer while the plan is
+    plain: the next step drops its drafts).
     The fit, and with it the choice for an unchanged set of requests, is refreshed every
     ``refit_every`` steps (one engine step must not wait for either).
     ``policy="random"`` draws every depth at random (the exactness tests' schedule driver);
@@ -698,16 +701,15 @@ class DepthController:
         committed) also the throughput guard, in the step's regime: plain if it verified and
         drafted nothing, else speculative. Every step of a regime counts: a step that only drafts
         pays for tokens the next step commits and one that only verifies commits what the last
-        one paid for, and steps with a prompt chunk are more frequent when speculating (requests
-        finish out of step, and each finish admits a prompt into a step of its own that carries
-        the whole batch, where plain decoding admits a finished wave together). Left out of the
-        guard: the start-up probe's steps (every depth in turn, and each shape's first passes);
-        the switch from plain to speculative (a step that drafts with nothing to verify: a cost
-        of switching, which a short retry would carry alone); and a plain step that was
-        `explored` (a probe in a speculative regime) and carries a prompt chunk: it costs several
-        decode steps, and met by chance by one of a few probes it would drag the plain rate far
-        down (docs/METHODS.md §9). `load`: the load the step was decided at (``decide``), whose
-        bucket of the guard the step feeds (default: its requests)."""
+        one paid for; a speculative step keeps its prompt chunk (requests finish out of step, and
+        each finish admits a prompt into a step of its own that carries the whole batch, where
+        plain decoding admits a finished wave together), a plain step's is taken out at the cost
+        fit's price. Left out of the guard: the start-up probe's steps; a load's first
+        speculative steps (new shapes, whose first passes are slow on a CPU); the switches between
+        regimes (a step that drafts with nothing to verify, and the first plain step after
+        speculative ones, ~5% dearer than the next) (docs/METHODS.md §9). `load`: the load the
+        step was decided at (``decide``), whose bucket of the guard the step feeds (default: its
+        requests)."""
         self.costs.update(shape, seconds)
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
         # a switch: into speculation, a step that drafts with nothing to verify; out of it, the

@@ -269,7 +269,7 @@ def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     for i in range(ctrl.guard.min_steps + 1):
         plan = ctrl.decide(four)
         assert plan.draft_depth == 0 and set(plan.depths.values()) == {0} and plan.explored
-        ctrl.observe_step(StepShape.of(4, 0, 0, PAR), cost(StepShape.of(4, 0, 0, PAR)), 4, plan.explored)
+        ctrl.observe_step(StepShape.of(4, 0, 0, PAR), cost(StepShape.of(4, 0, 0, PAR)), 4)
         assert ctrl.guard.knows(4, speculative=False) == (i == ctrl.guard.min_steps)
     assert ctrl.decide(four).draft_depth > 0  # measured: the plan again
     # while the fitted plan decodes plainly an exploration drafts for a step that drops the drafts:
@@ -674,7 +674,8 @@ def test_plain_decoding_is_measured_afresh_in_blocks_while_speculating():
     assert all(p.draft_depth == 0 for p in plans[block:])  # measured afresh: plain is faster, it stays plain
     assert guard.prefers_plain(2) and guard.rate(2, speculative=False) == pytest.approx(250, rel=1e-3)
     ctrl, plans = _speculate_with_plain_measured_at(0.040)  # once: 25 per request-second
-    assert all(p.draft_depth > 0 for p in plans) and ctrl.guard.rate(2, speculative=False) == pytest.approx(25, rel=1e-3)
+    assert all(p.draft_depth > 0 for p in plans)
+    assert ctrl.guard.rate(2, speculative=False) == pytest.approx(25, rel=1e-3)
 
 
 def test_a_load_met_first_in_a_plain_regime_waits_for_its_first_retry_by_the_fits_prediction():
@@ -732,7 +733,7 @@ def test_a_load_above_one_where_plain_decoding_won_decodes_plainly_unmeasured():
     block = ctrl.decide(many)  # the load's own plain rate first (it has none), then the fit's plan
     assert block.draft_depth == 0 and block.explored
     for _ in range(guard.min_steps + 1):  # (the first: the switch out of speculation)
-        ctrl.observe_step(StepShape.of(32, 0, 0, PAR), 0.010, 32, explored=True)
+        ctrl.observe_step(StepShape.of(32, 0, 0, PAR), 0.010, 32)
     assert guard.knows(32, speculative=False) and ctrl.decide(many).draft_depth > 0
     for _ in range(8):
         guard.observe(32, False, 32, 0.010)  # 17-32's own rates: speculation ahead there

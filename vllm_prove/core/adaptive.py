@@ -426,12 +426,16 @@ class ThroughputGuard:
         sums = self._sums.get((bucket, speculative))
         return sums[0] / sums[1] if sums is not None and sums[2] >= self.min_steps else None
 
+    def _lead(self, bucket: int, speculative: bool, margin: float) -> bool | None:
+        """Whether `speculative`'s rate at the bucket is the faster by more than `margin` (None:
+        not both measured)."""
+        mine, other = self._rate_at(bucket, speculative), self._rate_at(bucket, not speculative)
+        return None if mine is None or other is None else mine > other * (1 + margin)
+
     def _measured_plain_preferred(self, bucket: int) -> bool | None:
         """Whether the bucket's own rates prefer plain decoding (None: not both measured)."""
-        spec, plain = self._rate_at(bucket, True), self._rate_at(bucket, False)
-        if spec is None or plain is None:
-            return None
-        return not spec > plain * (1 + self.margin)
+        lead = self._lead(bucket, speculative=True, margin=self.margin)
+        return None if lead is None else not lead
 
     def knows(self, num_requests: int, speculative: bool) -> bool:
         """Whether this load has `min_steps` decode steps of the kind measured."""
@@ -462,10 +466,11 @@ class ThroughputGuard:
         plain rate is unknown, and while it speculates less than `REFRESH_WITHIN` ahead of it,
         once the speculative regime has run `1 / retry_budget - 1` times as long as the last
         block took (and `retry_every` decisions; at a low load a plain step costs the gap to a
-        speculative one and a switch, so where speculation is far ahead no block is worth it). A block runs until `min_steps` of its plain steps are counted (the first one,
-        right after speculative steps, pays for the switch and is not:
-        `DepthController.observe_step`), so the rate speculation is compared with is neither
-        stale nor that of isolated steps amid speculation."""
+        speculative one and a switch, so where speculation is far ahead no block is worth it). A
+        block runs until `min_steps` of its plain steps are counted (the first one, right after
+        speculative steps, pays for the switch and is not: `DepthController.observe_step`), so
+        the rate speculation is compared with is neither stale nor that of isolated steps amid
+        speculation."""
         bucket = self.bucket(num_requests)
         if bucket in self._plain_block:
             if not self.knows(num_requests, speculative=False):
@@ -475,10 +480,9 @@ class ThroughputGuard:
             return False
         if bucket in self._retrying or self.prefers_plain(num_requests):
             return False  # (a plain regime measures plain decoding all the time)
-        spec, plain = self.rate(num_requests, speculative=True), self.rate(num_requests, speculative=False)
-        if spec is not None and plain is not None and spec > plain * (1 + REFRESH_WITHIN):
+        if self._lead(bucket, speculative=True, margin=REFRESH_WITHIN):
             return False  # far ahead: a few % of bias in the plain rate cannot change the decision
-        if plain is not None:
+        if self.knows(num_requests, speculative=False):
             self._spec_decisions[bucket] += 1
             wait = self._block_seconds[bucket] * (1 / self.retry_budget - 1)
             if self._spec_decisions[bucket] <= self.retry_every or self._spec_seconds[bucket] < wait:
@@ -495,8 +499,7 @@ class ThroughputGuard:
     def _ahead(self, num_requests: int, speculative: bool) -> bool:
         """Whether both regimes are measured at this load and `speculative`'s is the faster by
         more than `margin`."""
-        mine, other = self.rate(num_requests, speculative), self.rate(num_requests, not speculative)
-        return mine is not None and other is not None and mine > other * (1 + self.margin)
+        return bool(self._lead(self.bucket(num_requests), speculative, self.margin))
 
     def retrying(self, num_requests: int) -> bool:
         """Whether this load is measuring speculation afresh (a retry: the controller speculates)."""
@@ -606,10 +609,11 @@ class DepthController:
         observation should name (``observe_step(load=...)``): at a steady 16 in flight the step
         after a request finishes decodes 15 and admits the 16th; judged by its decoding requests
         the decision could flip between regimes with every finish, each switch costing a draft
-        pass whose drafts the next step drops. While any ``pinned`` request runs (decoding or not) the whole batch takes the full
-        depth, as with a fixed depth: a seeded request that samples consumes its generator per
-        draft, and vLLM's sampling of a batch is only reproducible request by request when every
-        step has the same shape, so its text must not depend on the load."""
+        pass whose drafts the next step drops. While any ``pinned`` request runs (decoding or
+        not) the whole batch takes the full depth, as with a fixed depth: a seeded request that
+        samples consumes its generator per draft, and vLLM's sampling of a batch is only
+        reproducible request by request when every step has the same shape, so its text must not
+        depend on the load."""
         decision = self._decide(request_ids, max(load or 0, len(request_ids)))
         if pinned:
             full = self.choices[-1]
@@ -696,7 +700,7 @@ class DepthController:
         return decision
 
     def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None,
-                     explored: bool = False, load: int | None = None) -> None:
+                     load: int | None = None) -> None:
         """A step's shape and duration (the cost fit); with `committed` (tokens the step
         committed) also the throughput guard, in the step's regime: plain if it verified and
         drafted nothing, else speculative. Every step of a regime counts: a step that only drafts

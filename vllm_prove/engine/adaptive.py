@@ -80,7 +80,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
         self._plan = None
         self._step_start = 0.0
-        self._pending = None  # (shape, committed, explored, load, start, end) of the last step, until observed
+        self._pending = None  # (shape, committed, load, start, end) of the last step, until observed
         self._load = 0  # the load the step was decided at
         self._last_log = time.monotonic()
         self._own_seconds = 0.0
@@ -148,7 +148,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                 committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
             # observed once the engine has fetched the step's drafts (a round trip to the workers
             # that is part of the step's cost), or at the next step when it fetched none
-            self._pending = (shape, committed, self._plan.explored, self._load, self._step_start, time.perf_counter())
+            self._pending = (shape, committed, self._load, self._step_start, time.perf_counter())
         self._plan = None
         self._own_seconds += time.perf_counter() - start
         return outputs
@@ -162,9 +162,9 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         """Feed the last step to the controller: from the start of its ``schedule`` to the end of
         its ``update_from_output``, and on through the draft fetch when there was one."""
         start = time.perf_counter()
-        shape, committed, explored, load, step_start, step_end = self._pending
+        shape, committed, load, step_start, step_end = self._pending
         self._pending = None
-        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed, explored, load)
+        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed, load)
         self._maybe_log()
         self._own_seconds += time.perf_counter() - start
 

@@ -213,6 +213,18 @@ def top2_gap(model, context: list[int], num_masks: int = 0, mask_token_id: int =
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
+def greedy_continuation(model, context: list[int], num_tokens: int) -> list[int]:
+    """``model``'s fp32 greedy continuation of ``context``, ``num_tokens`` tokens."""
+    ids, out, past = torch.tensor([context]), [], None
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            result = model(ids, past_key_values=past, use_cache=True)
+            past, token = result.past_key_values, int(result.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
 def abort_mid_generation(llm, cases: list[Case], num_requests: int = 8, num_steps: int = 6) -> dict:
     """Start requests, abort them after a few steps, and report whether KV blocks leaked.
 

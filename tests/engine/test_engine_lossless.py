@@ -18,6 +18,7 @@ import pytest
 from engine_support import (
     BLOCK_SIZE,
     ENGINE_KWARGS,
+    NEAR_TIE,
     IN_FLIGHT,
     PER_REQUEST_METRICS,
     VERIFIER,
@@ -28,11 +29,14 @@ from engine_support import (
     engine_metric,
     exact_joint,
     explain_greedy_divergence,
+    first_divergence,
     generate,
+    greedy_continuation,
     prove_engine_kwargs,
     seeded_at_the_budget_edge,
     seeded_runs,
     token_ids,
+    top2_gap,
     total_variation,
     tv_null_quantile,
 )
@@ -71,6 +75,7 @@ class Run:
     edge: dict = field(default_factory=dict)  # seeded_at_the_budget_edge
     adaptive: dict = field(default_factory=dict)  # DepthController.summary() at the end
     fetches: dict = field(default_factory=dict)  # ProveWorker.prove_draft_fetches() at the end
+    drafts: list = field(default_factory=list)  # ProveWorker.prove_record_drafts(): (context, drafts, caught up)
 
 
 def _greedy_runs(llm, cases, run: Run) -> None:
@@ -156,7 +161,9 @@ def random_depths(cases, lossless) -> dict[str, Run]:  # after `lossless`: one e
     sd = {"method": "draft_model", "model": VERIFIER, "num_speculative_tokens": 5}
     with engine(speculative_config=sd, additional_config={"prove": {"mode": "sd", "adaptive_policy": "random"}},
                 **PER_REQUEST_METRICS) as llm:
+        llm.collective_rpc("prove_record_drafts", args=(True,))
         runs["sd"].greedy[IN_FLIGHT] = token_ids(generate(llm, cases, IN_FLIGHT))
+        runs["sd"].drafts = llm.collective_rpc("prove_record_drafts", args=(False,))[0]
         runs["sd"].adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
         runs["sd"].fetches = llm.collective_rpc("prove_draft_fetches")[0]
     return runs
@@ -225,6 +232,36 @@ def test_a_plain_step_fetches_no_drafts(random_depths, mode):
     counts = random_depths[mode].fetches
     assert counts["steps"] > counts["drafting_steps"] > 0
     assert counts["fetches"] == counts["drafting_steps"]
+
+
+def test_plain_steps_run_vllms_non_speculative_path(random_depths):
+    """A step that verifies and drafts nothing runs vLLM's plain-decoding path (no spec-decode
+    metadata, sampler or drafter: ``PlainStepRunnerMixin``), in both modes; the schedules above
+    still give greedy decoding token for token."""
+    for mode in ("lossless", "sd"):
+        counts = random_depths[mode].fetches
+        assert 0 < counts["plain_path_steps"] <= counts["steps"] - counts["drafting_steps"], (mode, counts)
+
+
+def test_sd_drafts_after_plain_steps_are_the_draft_models_own(random_depths, zoo_models):
+    """Plain steps skip vLLM's draft model; before it next drafts it reads what they committed
+    (``proposers.CatchUpDraftModelProposer``), so every draft is the draft model's own greedy
+    continuation of the committed text: under a random schedule (plain and drafting steps
+    interleaved, chunked prefill, prefix hits, preemption) at 16 in flight."""
+    records = random_depths["sd"].drafts
+    caught_up = [r for r in records if r[2]]
+    assert len(caught_up) >= 50, len(caught_up)
+    failures, ties = [], 0
+    for context, drafts, _ in caught_up + records[::8]:
+        want = greedy_continuation(zoo_models.verifier, context, len(drafts))
+        position = first_divergence(drafts, want)
+        if position is None:
+            continue
+        gap = top2_gap(zoo_models.verifier, context + want[:position])[0]
+        ties += gap < NEAR_TIE
+        if gap >= NEAR_TIE:
+            failures.append(f"context of {len(context)} tokens: drafts {drafts} != {want} (top-2 gap {gap:.3g} at {position})")
+    assert not failures, f"{len(failures)} of {len(caught_up) + len(records[::8])} drafts:\n" + "\n".join(failures[:10])
 
 
 def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless):

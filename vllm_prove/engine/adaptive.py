@@ -41,6 +41,7 @@ reads the latest.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -181,11 +182,52 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
 
 class PlainStepRunnerMixin:
     """Mixed into the model runner under the adaptive depth (lossless, sd), so that a plain step costs
-    what a plain engine's step does: a step whose draft depth is 0 (``num_spec_tokens_to_schedule``)
-    skips ProVe-lossless' drafter plumbing entirely (next-token and padded-input preparation,
-    ``gpu_model_runner.py:4748``), not only the mask pass (vLLM's draft model cannot: its own KV
-    must read every verified token), and an all-greedy step that verifies no draft is sampled by
-    vLLM's plain sampler."""
+    what a plain engine's step does.
+
+    A step that verifies no draft and drafts nothing (``num_spec_tokens_to_schedule == 0``) runs
+    vLLM's own non-speculative path: the runner's ``speculative_config`` is hidden for that step's
+    ``execute_model`` and ``sample_tokens``, the switch vLLM reads for every speculative piece of
+    a step (spec-decode metadata and logits indices, ``gpu_model_runner.py:2184``; the rejection
+    sampler; the drafter and its draft copy, l.4378). A speculative engine otherwise pays about
+    0.3 ms of a 8.7 ms plain step at 16 in flight on the CPU (docs/BENCHMARKS.md, session 13).
+    Not for hybrid (Mamba-style) models: their recurrent state reads a speculative offset even on
+    a step without drafts (l.1555, l.2211).
+
+    A step with ``D = 0`` that still verifies drafts (drafted by the step before) keeps vLLM's
+    speculative path but skips the drafter's plumbing (next-token and padded-input preparation,
+    l.4748) and pass, and an all-greedy step that verifies no draft is sampled by vLLM's plain
+    sampler. vLLM's draft model (mode ``sd``) catches its KV up when it next drafts
+    (``proposers.CatchUpDraftModelProposer``), told of every step by ``note_step``."""
+
+    _prove_plain_step = False  # this step runs vLLM's non-speculative path
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if scheduler_output.total_num_scheduled_tokens and hasattr(self.drafter, "note_step"):
+            self.drafter.note_step(scheduler_output)
+        self._prove_plain_step = (
+            not self.model_config.is_hybrid
+            and scheduler_output.total_num_scheduled_tokens > 0
+            and scheduler_output.num_spec_tokens_to_schedule == 0
+            and not any(scheduler_output.scheduled_spec_decode_tokens.values()))
+        if not self._prove_plain_step:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        with self._speculation_hidden():
+            return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        if not self._prove_plain_step:
+            return super().sample_tokens(*args, **kwargs)
+        self._prove_plain_step = False
+        with self._speculation_hidden():
+            return super().sample_tokens(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _speculation_hidden(self):
+        spec_config, self.speculative_config = self.speculative_config, None
+        try:
+            yield
+        finally:
+            self.speculative_config = spec_config
 
     def _sample(self, logits, spec_decode_metadata):
         # A speculative engine builds spec-decode metadata for every step (gpu_model_runner.py:2184)
@@ -197,10 +239,8 @@ class PlainStepRunnerMixin:
             spec_decode_metadata = None
         return super()._sample(logits, spec_decode_metadata)
 
-    _prove_skip_drafter = True  # False for vLLM's draft model (set by worker.install)
-
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        if self._prove_skip_drafter and scheduler_output.num_spec_tokens_to_schedule == 0:
+        if scheduler_output.num_spec_tokens_to_schedule == 0:
             self._draft_probs = self._draft_prob_req_ids = None
             return torch.zeros((len(self.input_batch.req_ids), 0), dtype=torch.int32, device=self.device)
         return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)

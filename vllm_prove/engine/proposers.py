@@ -22,9 +22,11 @@ serves real tokens to verification.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn as nn
 from vllm.config import get_layers_from_vllm_config
+from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -166,7 +168,134 @@ class SelfMaskProposer(SharedTargetProposer):
         positions: torch.Tensor,
         num_spec: int,
     ) -> torch.Tensor:  # [batch * K] int64: KV slot of each drafter token
-        block_table = cad.block_table_tensor  # [batch, max_blocks_per_req]
-        rows = torch.arange(cad.batch_size(), device=self.device).repeat_interleave(num_spec)  # [batch * K]
-        block_index = (positions // self.block_size).clamp(max=block_table.shape[1] - 1)  # [batch * K]
-        return block_table[rows, block_index].to(torch.int64) * self.block_size + positions % self.block_size
+        return kv_slots(cad.block_table_tensor, positions, np.full(cad.batch_size(), num_spec), self.block_size)
+
+
+class CatchUpDraftModelProposer(DraftModelProposer):
+    """vLLM's draft model (mode ``sd``) for the adaptive depth: a plain step runs no draft pass at all.
+
+    vLLM's draft model keeps its own KV by re-reading, in every step's first pass, the tokens the
+    target just read (``llm_base_proposer.py:817``), so vLLM runs that pass even when it drafts
+    nothing (dynamic depth 0, l.614-623). That pass cost a plain step of the adaptive ``sd`` engine
+    a third of an AR step on the CPU (plain decoding read 48-68 tokens per request-second against
+    AR's 87 at 16 in flight, docs/BENCHMARKS.md), so plain decoding could never win there.
+
+    Here a step that drafts nothing skips the drafter; per request, ``lag`` keeps the first
+    position whose draft KV a skipped step left unwritten. The next step that drafts first runs
+    *catch-up* passes of the draft model over each lagging request's committed tokens
+    ``[lag, c)`` (``c``: the step's first target position; prefill-like, causal over the KV
+    before, eager), then vLLM's own pass reads ``[c, ...)`` as always, so every draft is
+    computed from the draft KV vLLM's own schedule would have left. A request admitted with a
+    prefix-cache hit after any skipped step catches up from position 0: its cached blocks may
+    have been filled by plain steps (target KV only). Drafts never decide a token (vLLM's
+    rejection sampler does), so this is about acceptance, not exactness;
+    ``tests/engine/test_engine_lossless.py`` checks that drafts after plain steps are the ones an
+    always-drafting engine makes.
+    """
+
+    def __init__(self, vllm_config, device: torch.device, runner=None):
+        super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        if self.uses_mrope or self.supports_mm_inputs:
+            raise ValueError("the adaptive depth's draft-model catch-up reads token ids only (no M-RoPE, "
+                             "no multimodal draft model); set \"adaptive\": false")
+        self._runner = runner
+        self.lag: dict[str, int] = {}  # request -> first position without draft KV
+        self._skipped_any = False  # a step skipped the drafter since start-up
+        self._catch_up: list[tuple[str, int, int]] = []  # (request, start, end) before this step's pass
+        self.caught_up_tokens = 0  # tokens read by catch-up passes since start-up
+        self.last_caught_up: frozenset[str] = frozenset()  # requests caught up before the last pass
+
+    def note_step(self, scheduler_output) -> None:
+        """Every step with scheduled tokens, before it runs: where each request's target pass
+        starts, and whether the drafter will run after it (``num_spec_tokens_to_schedule``)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        starts.update((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs)
+        for req_id in scheduler_output.finished_req_ids:
+            self.lag.pop(req_id, None)
+        if self._skipped_any:  # admitted on (or resumed onto) cached blocks a plain step may have filled
+            for req_id in [new.req_id for new in scheduler_output.scheduled_new_reqs] + list(cached.resumed_req_ids):
+                if starts[req_id] > 0:
+                    self.lag[req_id] = 0
+        if scheduler_output.num_spec_tokens_to_schedule == 0:
+            self._skipped_any = True
+            for req_id, start in starts.items():
+                self.lag[req_id] = min(self.lag.get(req_id, start), start)
+            self._catch_up = []
+            return
+        self._catch_up = [(r, self.lag[r], c) for r, c in starts.items() if r in self.lag and self.lag[r] < c]
+        for req_id in starts:
+            self.lag.pop(req_id, None)
+
+    def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
+        self.last_caught_up = frozenset(req_id for req_id, _, _ in self._catch_up)
+        if self._catch_up:
+            self._run_catch_up(kwargs["common_attn_metadata"])
+        return super().propose(num_speculative_tokens, *args, **kwargs)
+
+    def _run_catch_up(self, cad: CommonAttentionMetadata) -> None:
+        """Draft-model passes over ``[start, end)`` of each lagging request, at most the drafter's
+        token buffer per pass (a longer range continues in the next pass, over its own KV)."""
+        batch = self._runner.input_batch
+        token_ids = batch.token_ids_cpu  # [max_num_reqs, max_model_len] (numpy)
+        budget = self.input_ids.shape[0]
+        todo = [(batch.req_id_to_index[r], s, e) for r, s, e in self._catch_up if r in batch.req_id_to_index]
+        self._catch_up = []
+        while todo:
+            rows, starts, ends, room = [], [], [], budget
+            while todo and room:
+                row, start, end = todo.pop(0)
+                take = min(end - start, room)
+                rows.append(row), starts.append(start), ends.append(start + take)
+                room -= take
+                if start + take < end:
+                    todo.insert(0, (row, start + take, end))
+            self._catch_up_pass(cad, token_ids, rows, starts, ends)
+
+    def _catch_up_pass(self, cad, token_ids, rows: list[int], starts: list[int], ends: list[int]) -> None:
+        lens = np.array(ends) - np.array(starts)  # [n]
+        num_tokens = int(lens.sum())
+        ids = torch.from_numpy(np.concatenate([token_ids[r, s:e] for r, s, e in zip(rows, starts, ends)]))
+        positions = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]))
+        ids, positions = ids.to(self.device, torch.int32), positions.to(self.device, torch.int64)  # [num_tokens]
+        if self.use_heterogeneous_vocab:
+            ids = self.vocab_mapping.map_target_to_draft_ids(ids)
+        self.input_ids[:num_tokens] = ids
+        self._set_positions(num_tokens, positions)
+        query_start_loc_cpu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))  # [n + 1]
+        seq_lens_cpu = torch.tensor(ends, dtype=torch.int32)  # [n]
+        block_table = cad.block_table_tensor[torch.tensor(rows, device=cad.block_table_tensor.device)]
+        slot_mapping = kv_slots(block_table, positions, lens, self.block_size)  # [num_tokens]
+        catch_cad = CommonAttentionMetadata(
+            query_start_loc=query_start_loc_cpu.to(self.device, non_blocking=True),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens_cpu.to(self.device, non_blocking=True),
+            num_reqs=len(rows),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(lens.max()),
+            max_seq_len=max(ends),
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping,
+            causal=True,
+            seq_lens_cpu_upper_bound=seq_lens_cpu,
+        )
+        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(catch_cad)
+        mode, num_input_tokens, across_dp = self._determine_batch_execution_and_padding(num_tokens, use_cudagraphs=False)
+        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(num_tokens, num_input_tokens, None)
+        with set_forward_context(per_layer_attn_metadata, self.vllm_config, num_tokens=num_input_tokens,
+                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                 slot_mapping=self._get_slot_mapping(slot_mapping_size, slot_mapping)):
+            self.model(**model_kwargs)
+        self.caught_up_tokens += num_tokens
+
+
+def kv_slots(
+    block_table: torch.Tensor,  # [n, max_blocks_per_req]: the block table rows of n requests
+    positions: torch.Tensor,  # [sum(lens)] int64: positions, request after request
+    lens: np.ndarray,  # [n]: tokens per request
+    block_size: int,
+) -> torch.Tensor:  # [sum(lens)] int64: the KV slot of each position
+    rows = torch.repeat_interleave(torch.arange(len(lens), device=block_table.device),  # no device sync
+                                   torch.as_tensor(lens, device=block_table.device), output_size=positions.shape[0])
+    block_index = (positions // block_size).clamp(max=block_table.shape[1] - 1)
+    return block_table[rows, block_index].to(torch.int64) * block_size + positions % block_size

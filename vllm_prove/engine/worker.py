@@ -20,7 +20,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_prove.config import EngineMode
 from vllm_prove.engine import cpu_fixes
 from vllm_prove.engine.gate_runner import ProveGateRunnerMixin, gate_runner_class
-from vllm_prove.engine.proposers import SelfMaskProposer, SharedTargetProposer
+from vllm_prove.engine.proposers import CatchUpDraftModelProposer, SelfMaskProposer, SharedTargetProposer
 from vllm_prove.engine.settings import engine_settings
 
 logger = init_logger(__name__)
@@ -53,7 +53,8 @@ def install(worker) -> None:
         from vllm_prove.engine.adaptive import plain_step_runner_class
 
         runner.__class__ = plain_step_runner_class(type(runner))
-        runner._prove_skip_drafter = settings.mode is EngineMode.LOSSLESS
+        if settings.mode is EngineMode.SD:  # plain steps skip the draft model; it catches up
+            runner.drafter = CatchUpDraftModelProposer(worker.vllm_config, runner.device, runner)
     if settings.mode.gated:
         if settings.mode is EngineMode.MARS:
             runner.drafter = SharedTargetProposer(worker.vllm_config, runner.device, runner)
@@ -70,7 +71,7 @@ class _ProveWorkerMixin:
     def init_device(self) -> None:
         super().init_device()
         install(self)
-        self._prove_draft_fetches = {"steps": 0, "drafting_steps": 0, "fetches": 0}
+        self._prove_draft_fetches = {"steps": 0, "drafting_steps": 0, "fetches": 0, "plain_path_steps": 0}
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         from vllm_prove.engine.adaptive import SUMMARY_ATTR
@@ -81,16 +82,42 @@ class _ProveWorkerMixin:
         if scheduler_output.total_num_scheduled_tokens:
             self._prove_draft_fetches["steps"] += 1
             self._prove_draft_fetches["drafting_steps"] += scheduler_output.num_spec_tokens_to_schedule != 0
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        output = super().execute_model(scheduler_output, *args, **kwargs)
+        self._prove_draft_fetches["plain_path_steps"] += getattr(self.model_runner, "_prove_plain_step", False)
+        return output
 
     def take_draft_token_ids(self):
         self._prove_draft_fetches["fetches"] += 1
-        return super().take_draft_token_ids()
+        drafts = super().take_draft_token_ids()
+        records = getattr(self, "_prove_draft_records", None)
+        if records is not None and drafts is not None:
+            self._record_drafts(drafts, records)
+        return drafts
+
+    def _record_drafts(self, drafts, records: list) -> None:
+        runner = self.model_runner
+        batch = runner.input_batch
+        caught_up = getattr(runner.drafter, "last_caught_up", frozenset())
+        for req_id, tokens in zip(drafts.req_ids, drafts.draft_token_ids):
+            index = batch.req_id_to_index.get(req_id)
+            if index is None or runner.discard_request_mask.np[index] or not len(tokens):
+                continue  # a prompt still being prefilled: its drafts are discarded
+            context = batch.token_ids_cpu[index, : batch.num_tokens_no_spec[index]].tolist()
+            records.append((context, [int(t) for t in tokens], req_id in caught_up))
+
+    def prove_record_drafts(self, on: bool = True) -> list | None:
+        """Record each drafting step's drafts with the committed context they follow (a test of
+        the draft KV under the adaptive depth); returns what was recorded so far and, with
+        ``on`` False, stops. Records: (context token ids, drafts, whether catch-up ran first)."""
+        records = getattr(self, "_prove_draft_records", None)
+        self._prove_draft_records = [] if on else None
+        return records
 
     def prove_draft_fetches(self) -> dict[str, int]:
-        """Steps the worker ran, those that drafted (``num_spec_tokens_to_schedule != 0``), and
-        the engine's draft fetches (``take_draft_token_ids``): under the adaptive depth a plain
-        step fetches nothing (``executor``)."""
+        """Steps the worker ran, those that drafted (``num_spec_tokens_to_schedule != 0``), the
+        engine's draft fetches (``take_draft_token_ids``: under the adaptive depth a plain step
+        fetches nothing, ``executor``), and the steps that ran vLLM's non-speculative path
+        (``adaptive.PlainStepRunnerMixin``)."""
         return dict(self._prove_draft_fetches)
 
     def prove_probe(self) -> dict[str, Any]:

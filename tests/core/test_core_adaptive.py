@@ -175,7 +175,7 @@ def test_step_shapes_of_both_drafters():
     assert StepShape.of(4, 10, 0, PAR, spec_requests=3) == StepShape(4, 14, 3, 0, 0, 0)
     assert StepShape.of(4, 10, 8, PAR, spec_requests=3) == StepShape(4, 14, 3, 1, 32, 4)
     # vLLM's draft model re-reads the verified rows even when it drafts nothing
-    assert StepShape.of(4, 10, 0, SEQ, spec_requests=2) == StepShape(4, 14, 2, 1, 14, 4)
+    assert StepShape.of(4, 10, 0, SEQ, spec_requests=2) == StepShape(4, 14, 2, 0, 0, 0)  # no draft pass
     assert StepShape.of(4, 10, 5, SEQ, spec_requests=2) == StepShape(4, 14, 2, 5, 14 + 16, 4)
     assert StepShape.of(1, 0, 2, PAR, extra_rows=30).rows == 31
 
@@ -209,14 +209,13 @@ def _feed(ctrl, truth, accept, steps, requests):
 
 
 def test_guard_learns_the_plain_rate_of_vllms_draft_model_too():
-    """vLLM's draft model runs a pass over the verified rows even at D = 0, so a plain step of
-    mode `sd` has a draft pass; it drafts no token, and the guard must count it as plain (else the
-    plain rate is never known and a plain block never ends); a step that only verifies belongs to
-    the speculative regime (it commits what the step before drafted). A load's first speculative
+    """Mode `sd`: a plain step drafts no token and the guard counts it as plain (else the plain rate
+    is never known and a plain block never ends); a step that only verifies belongs to the
+    speculative regime (it commits what the step before drafted). A load's first speculative
     steps (new shapes: slow first passes) do not count."""
     ctrl = _past_probe(DepthController(5, SEQ), ["a"])
     for _ in range(4):
-        ctrl.observe_step(StepShape.of(1, 0, 0, SEQ), 0.003, 1)  # plain: one token, one re-read pass
+        ctrl.observe_step(StepShape.of(1, 0, 0, SEQ), 0.003, 1)  # plain: one token
     assert ctrl.guard.knows(1, speculative=False) and not ctrl.guard.knows(1, speculative=True)
     for _ in range(4):
         ctrl.observe_step(StepShape.of(1, 5, 0, SEQ, spec_requests=1), 0.040, 6)  # the load's first: not counted
@@ -605,8 +604,8 @@ def test_decisions_are_judged_and_observed_at_the_load_the_step_runs():
 
 
 def test_the_guard_overrules_a_fit_that_says_plain_where_speculation_was_faster():
-    """The fit can miss a cost of plain steps (vLLM's draft model re-reads every verified row even
-    in a plain step of mode sd, so plain decoding is dearer than the fit's drafter terms say): where
+    """The fit can miss a cost of plain steps (a real engine's step is not exactly linear in its
+    rows and passes): where
     the engine realized speculation faster at a load, a plain plan from the fit gives way to the
     best plan that speculates (every request verifying a draft); elsewhere the fit decides."""
     dear = StepCost(c_0=0.01, c_req=0.0005, c_row=0.002, c_pass=0.004, c_draft_row=0.002)

@@ -64,7 +64,7 @@ class DraftKind(str, enum.Enum):
     """How the drafter's work grows with the draft depth ``D`` of a step."""
 
     PARALLEL = "parallel"  # one pass of D rows per request (ProVe-lossless' mask pass); none at D = 0
-    SEQUENTIAL = "sequential"  # vLLM's draft model: a pass over the step's verified rows, then D - 1 one-row passes
+    SEQUENTIAL = "sequential"  # vLLM's draft model: a pass over the step's rows, then D - 1 one-row passes; none at D = 0
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ class StepShape:
     draft_passes: int
     draft_rows: int
     draft_requests: int  # requests the drafter reads several rows of (its multi-token queries)
-    # tokens drafted per request; not a cost term (vLLM's draft model pays one pass at D = 0 and
-    # D = 1 alike), but what tells a plain step (D = 0) from a drafting one
+    # tokens drafted per request; not a cost term of its own (the passes and rows are), but what
+    # tells a plain step (D = 0) from a drafting one
     draft_depth: int = field(default=0, compare=False)
     # rows of prompt chunks: counted in `rows` (no cost term of their own), but what tells the
     # throughput guard that a step carried a prompt chunk
@@ -96,9 +96,11 @@ class StepShape:
             d = int(draft_depth > 0)
             return StepShape(requests, rows, spec_requests, d, requests * draft_depth, requests * d, draft_depth,
                              extra_rows)
-        # vLLM's draft model re-reads every verified row (keeping its own KV in step) even at D = 0
-        return StepShape(requests, rows, spec_requests, max(draft_depth, 1),
-                         rows + requests * max(draft_depth - 1, 0), requests, draft_depth, extra_rows)
+        if draft_depth == 0:  # no draft pass (the engine's draft model catches its KV up when it next drafts)
+            return StepShape(requests, rows, spec_requests, 0, 0, 0, 0, extra_rows)
+        # vLLM's draft model: a pass over the step's rows (its own KV), then D - 1 one-row passes
+        return StepShape(requests, rows, spec_requests, draft_depth, rows + requests * (draft_depth - 1), requests,
+                         draft_depth, extra_rows)
 
     def features(self) -> np.ndarray:  # [7] float64, in COST_TERMS order
         return np.array([1.0, self.requests, self.rows, self.draft_passes, self.draft_rows, self.spec_requests,
@@ -668,8 +670,7 @@ class DepthController:
             depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=speculate)
             if d == 0 and overrule:
                 # the fit says plain, the engine realized speculation faster at this load (a cost
-                # the fit has no term for, as vLLM's draft model's pass in every plain step of
-                # mode sd): speculate, with the plan the fit likes best
+                # the fit has no term for): speculate, with the plan the fit likes best
                 depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=True)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
         _, depths, d = self._cached

@@ -184,7 +184,10 @@ def _step_costs(batch: int, width: int, kind: DraftKind, coefficients: tuple) ->
     most of a solve's time (read-only arrays)."""
     cost = StepCost(*coefficients)
     fixed = np.array([cost(StepShape.of(batch, 0, d, kind)) for d in range(width)])
-    own = np.array([cost(StepShape.of(batch, k, 0, kind, spec_requests=int(k > 0))) for k in range(width)]) - fixed[0]
+    # a request verifies K > 0 drafts only in a step that drafts (D >= K_r), where the sequential
+    # draft model's first pass reads its verified rows too: the K-terms are measured at D = 1
+    base = cost(StepShape.of(batch, 0, 1, kind))
+    own = np.array([0.0] + [cost(StepShape.of(batch, k, 1, kind, spec_requests=1)) - base for k in range(1, width)])
     fixed.setflags(write=False)
     own.setflags(write=False)
     return fixed, own

@@ -260,7 +260,8 @@ def test_sd_drafts_after_plain_steps_are_the_draft_models_own(random_depths, zoo
         gap = top2_gap(zoo_models.verifier, context + want[:position])[0]
         ties += gap < NEAR_TIE
         if gap >= NEAR_TIE:
-            failures.append(f"context of {len(context)} tokens: drafts {drafts} != {want} (top-2 gap {gap:.3g} at {position})")
+            failures.append(f"context of {len(context)} tokens: drafts {drafts} != {want} "
+                            f"(top-2 gap {gap:.3g} at {position})")
     assert not failures, f"{len(failures)} of {len(caught_up) + len(records[::8])} drafts:\n" + "\n".join(failures[:10])
 
 

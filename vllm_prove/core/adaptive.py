@@ -41,7 +41,6 @@ import numpy as np
 import torch
 
 RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation
-RETRY_BACKOFF_MAX = 4  # doublings of the wait after retries in a row that confirmed plain (budget down to 0.3%)
 REFRESH_WITHIN = 0.15  # a load's plain rate is measured afresh while speculation is ahead by less than this
 PLAIN_EXPLORE_SLOWER = 4  # explorations are this much rarer while the fitted plan decodes plainly
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
@@ -65,7 +64,8 @@ class DraftKind(str, enum.Enum):
     """How the drafter's work grows with the draft depth ``D`` of a step."""
 
     PARALLEL = "parallel"  # one pass of D rows per request (ProVe-lossless' mask pass); none at D = 0
-    SEQUENTIAL = "sequential"  # vLLM's draft model: a pass over the step's rows, then D - 1 one-row passes; none at D = 0
+    # vLLM's draft model: a pass over the step's rows, then D - 1 one-row passes; none at D = 0
+    SEQUENTIAL = "sequential"
 
 
 @dataclass(frozen=True)
@@ -360,9 +360,7 @@ class ThroughputGuard:
 
     A retry is due after `retry_every` plain decisions *and* once the plain regime has run
     `1 / retry_budget - 1` times as long as the last retry took, so retries take at most
-    `retry_budget` of the time wherever plain decoding wins; each retry in a row that confirms
-    plain decoding doubles that wait (at most `RETRY_BACKOFF_MAX` times), so a standing verdict
-    costs ever less. At a high load a speculative step
+    `retry_budget` of the time wherever plain decoding wins. At a high load a speculative step
     costs several plain ones and so does a retry: there they are rare. Where they are cheap they
     come often, so a change of load or of the machine is noticed soon. A retry that puts
     speculation ahead ends the plain regime. A cost model that misjudges the engine (a per-step
@@ -382,7 +380,6 @@ class ThroughputGuard:
         self._spec_step_seconds: dict[int, float] = {}  # bucket -> a speculative step's seconds (running mean)
         self._retrying: set[int] = set()  # buckets measuring speculation afresh
         self._retries: Counter = Counter()  # bucket -> retries so far
-        self._failed: Counter = Counter()  # bucket -> retries in a row that found plain decoding still ahead
         self._plain_block: set[int] = set()  # buckets measuring plain decoding afresh
         self._block_seconds: Counter = Counter()  # bucket -> seconds its last (or current) plain block took
         self._spec_decisions: Counter = Counter()  # bucket -> speculative decisions since its last plain block
@@ -523,10 +520,9 @@ class ThroughputGuard:
             self._retrying.discard(bucket)
             if self.prefers_plain(num_requests):  # plain still ahead: back to plain, the budget restarts
                 self._forced[bucket], self._plain_seconds[bucket] = 1, 0.0
-                self._failed[bucket] += 1
                 return True
         if not self.prefers_plain(num_requests):
-            self._forced[bucket], self._plain_seconds[bucket], self._failed[bucket] = 0, 0.0, 0
+            self._forced[bucket], self._plain_seconds[bucket] = 0, 0.0
             return False
         if self._measured_plain_preferred(bucket) is None:
             return True  # plain by a lower load's measurements, whose retries test it
@@ -538,9 +534,7 @@ class ThroughputGuard:
         if step is None and self.spec_step_prior is not None:
             step = self.spec_step_prior(num_requests)
         expected = max(self._retry_seconds[bucket], self.min_steps * (step or 0.0))
-        # each retry in a row that found plain decoding still ahead doubles the wait (up to
-        # RETRY_BACKOFF_MAX times): a load whose verdict stands pays ever less for re-asking
-        wait = expected * (1 / self.retry_budget - 1) * 2 ** min(self._failed[bucket], RETRY_BACKOFF_MAX)
+        wait = expected * (1 / self.retry_budget - 1)
         if self._forced[bucket] <= self.retry_every or self._plain_seconds[bucket] < wait:
             return True
         self._sums.pop((bucket, True), None)  # a retry: forget speculation's rate, measure it again

@@ -280,7 +280,8 @@ class CatchUpDraftModelProposer(DraftModelProposer):
             seq_lens_cpu_upper_bound=seq_lens_cpu,
         )
         _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(catch_cad)
-        mode, num_input_tokens, across_dp = self._determine_batch_execution_and_padding(num_tokens, use_cudagraphs=False)
+        mode, num_input_tokens, across_dp = self._determine_batch_execution_and_padding(num_tokens,
+                                                                                         use_cudagraphs=False)
         model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(num_tokens, num_input_tokens, None)
         with set_forward_context(per_layer_attn_metadata, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_prove.zoo import HELDOUT_PROMPTS, ZOO_DIR
-from vllm_prove.zoo.corpus import CorpusFile, load_corpus, split
+from vllm_prove.zoo.corpus import CorpusFile, corpus_hash, load_corpus, split
 
 MAX_ZOO_BYTES = 40 * 2**20
 
@@ -43,6 +43,14 @@ def test_weights_are_small_bf16_qwen2_with_a_mask_token(manifest):
         assert 0.5e6 <= manifest["models"]["verifier"]["params"] <= 1.5e6
 
 
+def _skip_unless_the_zoos_corpus(manifest: dict) -> None:
+    """The held-out numbers come from the standard library of the Python the zoo was built with;
+    another Python's (another patch release) gives other windows and other numbers."""
+    if corpus_hash(load_corpus()) != manifest["corpus"]["sha256"]:
+        pytest.skip(f"this Python's standard library is not the zoo's corpus (built on Python "
+                    f"{manifest['corpus']['python_version']}): its held-out numbers are not recomputable here")
+
+
 @pytest.mark.slow
 def test_manifest_numbers_are_what_the_shipped_weights_give(manifest):
     """The manifest's held-out numbers, recomputed from the committed bf16 weights (run in fp32,
@@ -55,6 +63,7 @@ def test_manifest_numbers_are_what_the_shipped_weights_give(manifest):
     from vllm_prove.zoo.build import HELDOUT_WINDOWS, heldout_windows
     from vllm_prove.zoo.evaluate import block_match
 
+    _skip_unless_the_zoos_corpus(manifest)
     tok = AutoTokenizer.from_pretrained(ZOO_DIR / "proposer")
     _, heldout = split(load_corpus())
     stream = StreamDataset(encode_stream(tok, [f.text for f in heldout]), 256)
@@ -129,13 +138,14 @@ def test_loaded_tokenizer_tokenizes_like_the_trained_pipeline():
 
 
 @pytest.mark.slow
-def test_zoo_evaluate_rewrites_nothing_on_a_consistent_zoo(tmp_path):
+def test_zoo_evaluate_rewrites_nothing_on_a_consistent_zoo(tmp_path, manifest):
     """`vllm-prove zoo evaluate` recomputes the held-out numbers from the weights: on the shipped
     zoo (whose manifest already holds them) it changes nothing; on a stale manifest it repairs it."""
     import shutil
 
     from vllm_prove.cli import main
 
+    _skip_unless_the_zoos_corpus(manifest)
     zoo = tmp_path / "models"
     shutil.copytree(ZOO_DIR, zoo)
     stale = json.loads((zoo / "manifest.json").read_text())
@@ -143,3 +153,21 @@ def test_zoo_evaluate_rewrites_nothing_on_a_consistent_zoo(tmp_path):
     (zoo / "manifest.json").write_text(json.dumps(stale))
     assert main(["zoo", "evaluate", "--out", str(zoo)]) == 0
     assert json.loads((zoo / "manifest.json").read_text()) == json.loads((ZOO_DIR / "manifest.json").read_text())
+
+
+def test_zoo_evaluate_refuses_another_corpus(tmp_path, capsys):
+    """Under a Python whose standard library is not the zoo's corpus, `vllm-prove zoo evaluate`
+    would write numbers measured on other held-out windows into the manifest: it stops with the
+    reason and leaves the manifest as it was."""
+    import shutil
+
+    from vllm_prove.cli import main
+
+    zoo = tmp_path / "models"
+    shutil.copytree(ZOO_DIR, zoo)
+    other = json.loads((zoo / "manifest.json").read_text())
+    other["corpus"] |= {"sha256": "0" * 64, "python_version": "3.0.0"}
+    (zoo / "manifest.json").write_text(json.dumps(other))
+    assert main(["zoo", "evaluate", "--out", str(zoo)]) == 2
+    assert "corpus: this Python's standard library" in capsys.readouterr().err
+    assert json.loads((zoo / "manifest.json").read_text()) == other

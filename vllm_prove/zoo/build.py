@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from vllm_prove.config import TrainConfig
+from vllm_prove.errors import ProveError
 from vllm_prove.train.data import StreamDataset, encode_stream
 from vllm_prove.train.trainer import heldout_loss, train
 from vllm_prove.train.distill import build_targets, distill_dataset, greedy_agreement, self_distill_mars
@@ -126,13 +127,28 @@ def heldout_diagnostics(proposer, verifier, heldout_ds: StreamDataset, mask_toke
             "proposer_matching_prefix": {str(b): round(m["prefix"], 3) for b, m in match.items()}}
 
 
+def check_corpus(manifest: dict, files: list) -> None:
+    """Raise if this interpreter's standard library (the corpus) is not the one the zoo was built
+    and measured on: its held-out windows, and so every held-out number, would differ."""
+    recorded = manifest.get("corpus", {})
+    here = corpus_mod.corpus_hash(files)
+    if recorded.get("sha256") not in (None, here):
+        raise ProveError(
+            f"corpus: this Python's standard library ({sys.version.split()[0]}, corpus sha256 {here[:12]}) is not "
+            f"the corpus the zoo was built and measured on (Python {recorded.get('python_version')}, sha256 "
+            f"{recorded['sha256'][:12]}); its held-out numbers cannot be recomputed here: run with that Python, "
+            "or rebuild the zoo (`vllm-prove zoo build`)")
+
+
 def reevaluate_zoo(out_dir: Path = ZOO_DIR) -> dict:
     """Recompute the manifest's held-out numbers from the shipped weights, loaded as users load
     them (`vllm-prove zoo evaluate`); write them back; return the manifest."""
     out_dir = Path(out_dir)
     manifest = json.loads((out_dir / "manifest.json").read_text())
+    files = corpus_mod.load_corpus()
+    check_corpus(manifest, files)
     tok, load = open_zoo(out_dir)
-    heldout_ds = corpus_stream(tok, corpus_mod.split(corpus_mod.load_corpus())[1])
+    heldout_ds = corpus_stream(tok, corpus_mod.split(files)[1])
     proposer = load("proposer")
     diag = heldout_diagnostics(proposer, load("verifier"), heldout_ds, tok.mask_token_id)
     for role, loss in diag.pop("heldout_loss").items():

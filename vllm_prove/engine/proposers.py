@@ -189,8 +189,8 @@ class CatchUpDraftModelProposer(DraftModelProposer):
     prefix-cache hit after any skipped step catches up from position 0: its cached blocks may
     have been filled by plain steps (target KV only). Drafts never decide a token (vLLM's
     rejection sampler does), so this is about acceptance, not exactness;
-    ``tests/engine/test_engine_lossless.py`` checks that drafts after plain steps are the ones an
-    always-drafting engine makes.
+    ``tests/engine/test_engine_lossless.py`` checks that the drafts made after a catch-up are the
+    draft model's own greedy continuation of the committed text.
     """
 
     def __init__(self, vllm_config, device: torch.device, runner=None):
@@ -202,7 +202,6 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         self.lag: dict[str, int] = {}  # request -> first position without draft KV
         self._skipped_any = False  # a step skipped the drafter since start-up
         self._catch_up: list[tuple[str, int, int]] = []  # (request, start, end) before this step's pass
-        self.caught_up_tokens = 0  # tokens read by catch-up passes since start-up
         self.last_caught_up: frozenset[str] = frozenset()  # requests caught up before the last pass
 
     def note_step(self, scheduler_output) -> None:
@@ -287,7 +286,6 @@ class CatchUpDraftModelProposer(DraftModelProposer):
                                  num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                  slot_mapping=self._get_slot_mapping(slot_mapping_size, slot_mapping)):
             self.model(**model_kwargs)
-        self.caught_up_tokens += num_tokens
 
 
 def kv_slots(

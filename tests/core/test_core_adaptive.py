@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core.adaptive import (SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+from vllm_prove.core.adaptive import (PLAIN_REFIT_EVERY, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
                                       StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
@@ -715,8 +715,8 @@ def test_a_load_above_one_where_plain_decoding_won_decodes_plainly_unmeasured():
     (no exploration, no retry, no drafts for a new wave), though the cost fit says speculate;
     once the lower load's retry puts speculation ahead, the fit decides again. A load below it
     is not concerned, nor a load that measured both regimes itself."""
-    ctrl = _feed(DepthController(8, PAR, explore_every=4), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 40,
-                 ["a"])  # the cost fit: speculate
+    truth = StepCost(0.01, 0.0, 0.0001, 0.0001, 0.0001)  # (speculation wins at 32 however the fit splits its pass costs)
+    ctrl = _feed(DepthController(8, PAR, explore_every=4), truth, 0.9, 40, ["a"])  # the cost fit: speculate
     guard = ctrl.guard
     for _ in range(8):
         guard.observe(16, False, 16, 0.008)  # 9-16 running: plain 125 per request-second
@@ -732,7 +732,7 @@ def test_a_load_above_one_where_plain_decoding_won_decodes_plainly_unmeasured():
     block = ctrl.decide(many)  # the load's own plain rate first (it has none), then the fit's plan
     assert block.draft_depth == 0 and block.explored
     for _ in range(guard.min_steps + 1):  # (the first: the switch out of speculation)
-        ctrl.observe_step(StepShape.of(32, 0, 0, PAR), 0.010, 32)
+        ctrl.observe_step(StepShape.of(32, 0, 0, PAR), truth(StepShape.of(32, 0, 0, PAR)), 32)
     assert guard.knows(32, speculative=False) and ctrl.decide(many).draft_depth > 0
     for _ in range(8):
         guard.observe(32, False, 32, 0.010)  # 17-32's own rates: speculation ahead there
@@ -740,3 +740,51 @@ def test_a_load_above_one_where_plain_decoding_won_decodes_plainly_unmeasured():
     for _ in range(60):
         guard.observe(16, True, 24, 0.024)  # 9-16 plain again
     assert guard.prefers_plain(16) and not guard.prefers_plain(32)
+
+
+def test_a_step_that_only_admits_prompts_drafts_for_the_load_it_admits():
+    """A wave of prompts admitted after a run's last requests speculated at a low load: the step
+    that only prefills must draft what the next step (the wave, at its own load) will verify,
+    not the depth the low load left in force (at 32 in flight on the CPU such a step drafted 8
+    tokens for each of 32 prompts, which the next, plain step dropped: 0.88x AR)."""
+    cost = StepCost(c_0=0.01, c_req=0.0002, c_row=0.0004, c_pass=0.001, c_draft_row=0.0004)
+    wave = [f"w{i}" for i in range(32)]
+    ctrl = _feed(DepthController(8, PAR), cost, 0.8, 40, wave)
+    assert ctrl.decide(wave).draft_depth == 0  # the fit: plain decoding at 32
+    _feed(ctrl, cost, 0.8, 40, ["last"])
+    assert ctrl.decide(["last"]).draft_depth > 0  # the fit: speculate, for one request ...
+    assert not ctrl.guard.prefers_plain(32)  # (the guard has not measured speculation at 32: the fit decides)
+
+    def fresh_plan(n):  # the solver's plan for n requests the acceptance estimates know nothing of
+        return choose_depths(expected_committed(ctrl.tracker.population()[None].expand(n, 8)), ctrl.last_cost, PAR)[1]
+
+    # ... and a prompt admitted alone drafts so too; a step admitting a wave of 32 drafts nothing
+    assert ctrl.decide([], load=1).draft_depth == fresh_plan(1) > 0
+    assert ctrl.decide([], load=32).draft_depth == fresh_plan(32) == 0
+    # where the guard has measured plain decoding faster at a load, its prompts draft nothing either
+    for _ in range(8):
+        ctrl.guard.observe(16, False, 16, 0.010)
+        ctrl.guard.observe(16, True, 20, 0.016)
+    assert ctrl.guard.prefers_plain(16) and ctrl.decide([], load=16).draft_depth == 0
+
+
+def test_a_plain_regime_fits_its_costs_rarely():
+    """While the guard decodes plainly it decides without the fit, which then only prices prompt
+    chunks and retries: a fit every PLAIN_REFIT_EVERY steps, not every refit_every (in the engine
+    a fit takes ~0.5 ms of the scheduler, a share of every plain step otherwise); where the fit
+    decides, it is refreshed every refit_every steps."""
+    ctrl = _feed(DepthController(8, PAR), StepCost(0.01, 0.0, 0.0001, 0.0001, 0.0001), 0.9, 40, ["a"])
+    fits = []
+    fit = ctrl.costs.fit
+    ctrl.costs.fit = lambda: fits.append(ctrl.steps) or fit()
+    many = [f"r{i}" for i in range(32)]
+    for _ in range(8):
+        ctrl.guard.observe(32, False, 32, 0.008)  # plain: 125 per request-second
+        ctrl.guard.observe(32, True, 48, 0.024)  # speculative: 62.5
+    for _ in range(3 * PLAIN_REFIT_EVERY):
+        assert ctrl.decide(many).draft_depth == 0
+    assert 2 <= len(fits) <= 4 and min(b - a for a, b in zip(fits, fits[1:])) >= PLAIN_REFIT_EVERY
+    fits.clear()
+    for _ in range(32):  # one request: the fit decides
+        ctrl.decide(["a"])
+    assert len(fits) == 32 // ctrl.refit_every

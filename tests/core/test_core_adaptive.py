@@ -715,7 +715,8 @@ def test_a_load_above_one_where_plain_decoding_won_decodes_plainly_unmeasured():
     (no exploration, no retry, no drafts for a new wave), though the cost fit says speculate;
     once the lower load's retry puts speculation ahead, the fit decides again. A load below it
     is not concerned, nor a load that measured both regimes itself."""
-    truth = StepCost(0.01, 0.0, 0.0001, 0.0001, 0.0001)  # (speculation wins at 32 however the fit splits its pass costs)
+    # (speculation wins at 32 however the fit splits its pass costs between passes and requests)
+    truth = StepCost(0.01, 0.0, 0.0001, 0.0001, 0.0001)
     ctrl = _feed(DepthController(8, PAR, explore_every=4), truth, 0.9, 40, ["a"])  # the cost fit: speculate
     guard = ctrl.guard
     for _ in range(8):

@@ -789,3 +789,25 @@ def test_a_plain_regime_fits_its_costs_rarely():
     for _ in range(32):  # one request: the fit decides
         ctrl.decide(["a"])
     assert len(fits) == 32 // ctrl.refit_every
+
+
+def test_a_lower_loads_retry_leaves_its_verdict_to_the_loads_above():
+    """17-32 in flight decodes plainly by 9-16's verdict; while 9-16 retries speculation (its
+    speculative rate forgotten), 17-32 keeps that verdict rather than fall to the cost fit (which
+    speculated at 32 in flight in mode `sd` at 0.62x plain decoding's rate); the retry's outcome
+    then decides for both."""
+    guard = ThroughputGuard(min_steps=4, retry_every=4, margin=0.02)
+    for _ in range(8):
+        guard.observe(16, False, 16, 0.008)  # 9-16: plain 125 per request-second
+        guard.observe(16, True, 20, 0.016)  # speculative 78
+    assert guard.prefers_plain(16) and guard.prefers_plain(32)
+    for _ in range(1000):  # (a retry waits for 19 times its steps' time of plain decoding: ~160 steps)
+        if not guard.plain_wins(16):  # (the call that starts it)
+            break
+        guard.observe(16, False, 16, 0.008)
+    assert guard.retrying(16) and not guard.knows(16, speculative=True) and not guard.prefers_plain(16)  # 9-16 retries ...
+    assert guard.prefers_plain(32) and guard.plain_wins(32)  # ... 17-32 keeps its verdict
+    for _ in range(4):
+        guard.observe(16, True, 48, 0.008)  # the retry: speculation now 375 per request-second
+    assert not guard.plain_wins(16) and not guard.prefers_plain(16)
+    assert not guard.prefers_plain(32)  # the new verdict holds above too

@@ -381,6 +381,7 @@ class ThroughputGuard:
         self._spec_step_seconds: dict[int, float] = {}  # bucket -> a speculative step's seconds (running mean)
         self._retrying: set[int] = set()  # buckets measuring speculation afresh
         self._retries: Counter = Counter()  # bucket -> retries so far
+        self._verdicts: dict[int, bool] = {}  # bucket -> plain preferred when both rates were last measured
         self._plain_block: set[int] = set()  # buckets measuring plain decoding afresh
         self._block_seconds: Counter = Counter()  # bucket -> seconds its last (or current) plain block took
         self._spec_decisions: Counter = Counter()  # bucket -> speculative decisions since its last plain block
@@ -442,7 +443,19 @@ class ThroughputGuard:
     def _measured_plain_preferred(self, bucket: int) -> bool | None:
         """Whether the bucket's own rates prefer plain decoding (None: not both measured)."""
         lead = self._lead(bucket, speculative=True, margin=self.margin)
-        return None if lead is None else not lead
+        if lead is None:
+            return None
+        self._verdicts[bucket] = not lead
+        return not lead
+
+    def _verdict(self, bucket: int) -> bool:
+        """Whether the bucket's rates prefer plain decoding, or did when both were last measured:
+        what a higher load infers from it. While the bucket retries (one regime's rate forgotten,
+        measured afresh) its last verdict stands: at 32 in flight in mode `sd` the retries of the
+        9-16 bucket, which a run's last requests pass through, left 17-32 to the cost fit, which
+        speculated there at 0.62x plain decoding's rate."""
+        own = self._measured_plain_preferred(bucket)
+        return self._verdicts.get(bucket, False) if own is None else own
 
     def knows(self, num_requests: int, speculative: bool) -> bool:
         """Whether this load has `min_steps` decode steps of the kind measured."""
@@ -459,14 +472,14 @@ class ThroughputGuard:
         never again as a wave, falls on its side); or, where this load has not measured both, a
         lower load prefers plain decoding by its own measurements: the more requests a step
         runs, the dearer its extra query rows, so plain decoding that wins at 16 in flight wins
-        at 32 (and the lower load's retries keep testing it). Never during a retry (it speculates
-        until measured)."""
+        at 32 (and the lower load's retries keep testing it; while one runs, the lower load's last
+        verdict stands). Never during a retry of this load (it speculates until measured)."""
         if self.bucket(num_requests) in self._retrying:
             return False
         own = self._measured_plain_preferred(self.bucket(num_requests))
         if own is not None:
             return own
-        return any(self._measured_plain_preferred(b) for b in range(self.bucket(num_requests)))
+        return any(self._verdict(b) for b in range(self.bucket(num_requests)))
 
     def plain_block(self, num_requests: int) -> bool:
         """Whether this load should decode plainly now to measure plain decoding afresh: where its

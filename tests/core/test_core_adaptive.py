@@ -805,7 +805,8 @@ def test_a_lower_loads_retry_leaves_its_verdict_to_the_loads_above():
         if not guard.plain_wins(16):  # (the call that starts it)
             break
         guard.observe(16, False, 16, 0.008)
-    assert guard.retrying(16) and not guard.knows(16, speculative=True) and not guard.prefers_plain(16)  # 9-16 retries ...
+    # 9-16 retries ...
+    assert guard.retrying(16) and not guard.knows(16, speculative=True) and not guard.prefers_plain(16)
     assert guard.prefers_plain(32) and guard.plain_wins(32)  # ... 17-32 keeps its verdict
     for _ in range(4):
         guard.observe(16, True, 48, 0.008)  # the retry: speculation now 375 per request-second

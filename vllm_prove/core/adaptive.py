@@ -512,6 +512,10 @@ class ThroughputGuard:
         self._block_seconds[bucket] = 0.0
         return True
 
+    def measuring_plain(self, num_requests: int) -> bool:
+        """Whether this load is in a plain block (measuring plain decoding afresh)."""
+        return self.bucket(num_requests) in self._plain_block
+
     def speculation_faster(self, num_requests: int) -> bool:
         """Whether speculative steps have been faster at this load (by more than `margin`)."""
         return self._ahead(num_requests, speculative=True)
@@ -685,17 +689,22 @@ class DepthController:
         if refit or key != self._cached[0]:
             # a new fit, or other requests: solve again; else the same requests keep their depths
             # until the next fit (acceptance moves slowly; a step must not wait ~0.1 ms for it)
-            expected = _expected_np(self.tracker._rates(request_ids)[:, : self.max_depth])
-            allowed = np.broadcast_to(self._allowed_row, (len(request_ids), self.max_depth + 1))
-            depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=speculate)
-            if d == 0 and overrule:
-                # the fit says plain, the engine realized speculation faster at this load (a cost
-                # the fit has no term for): speculate, with the plan the fit likes best
-                depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=True)
+            depths, d = self._solve(self.tracker._rates(request_ids), speculate, overrule)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
         _, depths, d = self._cached
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
+
+    def _solve(self, rates: np.ndarray, speculate: bool, overrule: bool) -> tuple[torch.Tensor, int]:
+        """``choose_depths`` for requests with acceptance ``rates`` ([batch, >= max_depth]) under
+        the fit in use. ``overrule``: the fit says plain, the engine realized speculation faster at
+        this load (a cost the fit has no term for): speculate, with the plan the fit likes best."""
+        expected = _expected_np(rates[:, : self.max_depth])
+        allowed = np.broadcast_to(self._allowed_row, (len(expected), self.max_depth + 1))
+        depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=speculate)
+        if d == 0 and overrule:
+            depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=True)
+        return depths, d
 
     def _refit(self, step: int, every: int) -> bool:
         """Fit the step costs afresh if the fit in use is ``every`` steps old (or there is none).
@@ -716,17 +725,14 @@ class DepthController:
         and dropped them, spent 17 ms a wave on a pass a plain step does not need (0.88x AR)."""
         if self.costs.count == 0 or self.last_cost is None or load < 1:
             return self._last_draft_depth  # (the start-up probe's; a caller that named no load)
-        if self.guard.prefers_plain(load) or self.guard.bucket(load) in self.guard._plain_block:
+        if self.guard.prefers_plain(load) or self.guard.measuring_plain(load):
             return 0  # (the next step decodes plainly: by the guard's rates, or to measure them afresh)
-        key = (load, tuple(self.last_cost.coefficients().tolist()), self.guard.retrying(load),
-               self.guard.speculation_faster(load))
-        if self._fresh.get(key) is None:
-            rates = np.broadcast_to(self.tracker._population()[: self.max_depth], (load, self.max_depth))
-            allowed = np.broadcast_to(self._allowed_row, (load, self.max_depth + 1))
-            _, d = choose_depths(_expected_np(rates), self.last_cost, self.kind, allowed, speculate=key[2])
-            if d == 0 and key[3]:  # realized faster than the fit says (``_decide``'s overrule)
-                _, d = choose_depths(_expected_np(rates), self.last_cost, self.kind, allowed, speculate=True)
-            self._fresh = {key: d}  # (one load at a time: the cache only spares the waves' repeated steps)
+        speculate = self.guard.retrying(load)
+        overrule = not speculate and self.guard.speculation_faster(load)  # (as ``_decide`` has them)
+        key = (load, tuple(self.last_cost.coefficients().tolist()), speculate, overrule)
+        if key not in self._fresh:  # (one load at a time: the cache spares a wave's repeated prefill steps)
+            rates = np.broadcast_to(self.tracker._population(), (load, self.tracker.max_depth))
+            self._fresh = {key: self._solve(rates, speculate, overrule)[1]}
         return self._fresh[key]
 
     def _predicted_spec_step(self, num_requests: int) -> float:

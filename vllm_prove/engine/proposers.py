@@ -186,8 +186,12 @@ class CatchUpDraftModelProposer(DraftModelProposer):
     ``[lag, c)`` (``c``: the step's first target position; prefill-like, causal over the KV
     before, eager), then vLLM's own pass reads ``[c, ...)`` as always, so every draft is
     computed from the draft KV vLLM's own schedule would have left. A request admitted with a
-    prefix-cache hit after any skipped step catches up from position 0: its cached blocks may
-    have been filled by plain steps (target KV only). Drafts never decide a token (vLLM's
+    prefix-cache hit reads cached blocks whose draft KV a plain step may have left unwritten: it
+    catches up from the first such block (``stale``: the blocks of requests that left lagging,
+    and those past the lag of requests that still lag), and reuses the draft KV of the blocks
+    before it, as vLLM's draft model does (a bench that repeats its prompts admits every request
+    on a hit: catching each one up from position 0 cost adaptive SD 33 ms a step against vLLM's
+    29 at 16 in flight, docs/BENCHMARKS.md). Drafts never decide a token (vLLM's
     rejection sampler does), so this is about acceptance, not exactness;
     ``tests/engine/test_engine_lossless.py`` checks that the drafts made after a catch-up are the
     draft model's own greedy continuation of the committed text.
@@ -200,34 +204,107 @@ class CatchUpDraftModelProposer(DraftModelProposer):
                              "no multimodal draft model); set \"adaptive\": false")
         self._runner = runner
         self.lag: dict[str, int] = {}  # request -> first position without draft KV
-        self._skipped_any = False  # a step skipped the drafter since start-up
+        # KV blocks whose draft KV may lack some position: written by plain steps of requests that
+        # then left (finished, or resumed onto new blocks) without catching up
+        self.stale: set[int] = set()
         self._catch_up: list[tuple[str, int, int]] = []  # (request, start, end) before this step's pass
         self.last_caught_up: frozenset[str] = frozenset()  # requests caught up before the last pass
+        # requests admitted on prefix-cached blocks whose draft KV is reused (no catch-up) in the last pass
+        self.last_reused: frozenset[str] = frozenset()
+        self._reused: frozenset[str] = frozenset()
 
     def note_step(self, scheduler_output) -> None:
         """Every step with scheduled tokens, before it runs: where each request's target pass
         starts, and whether the drafter will run after it (``num_spec_tokens_to_schedule``)."""
         cached = scheduler_output.scheduled_cached_reqs
+        new_reqs = scheduler_output.scheduled_new_reqs
         starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
-        starts.update((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs)
+        starts.update((new.req_id, new.num_computed_tokens) for new in new_reqs)
         for req_id in scheduler_output.finished_req_ids:
-            self.lag.pop(req_id, None)
-        if self._skipped_any:  # admitted on (or resumed onto) cached blocks a plain step may have filled
-            for req_id in [new.req_id for new in scheduler_output.scheduled_new_reqs] + list(cached.resumed_req_ids):
-                if starts[req_id] > 0:
-                    self.lag[req_id] = 0
+            self._leave(req_id)
+        # admitted on (or resumed onto) cached blocks: reuse their draft KV up to the first stale one
+        admitted = [new.req_id for new in new_reqs] + list(cached.resumed_req_ids)
+        for req_id in cached.resumed_req_ids:
+            self._leave(req_id)  # (its old blocks, as the runner still has them)
+        hits = [r for r in admitted if starts[r] > 0]
+        reused = set()
+        if hits:
+            holders = self._stale_holders()
+            for req_id in hits:
+                first = self._first_stale_position(self._blocks(req_id, scheduler_output), starts[req_id], holders)
+                if first is None:
+                    reused.add(req_id)
+                else:
+                    self.lag[req_id] = first
         if scheduler_output.num_spec_tokens_to_schedule == 0:
-            self._skipped_any = True
             for req_id, start in starts.items():
                 self.lag[req_id] = min(self.lag.get(req_id, start), start)
-            self._catch_up = []
+            self._catch_up, self._reused = [], frozenset()
             return
         self._catch_up = [(r, self.lag[r], c) for r, c in starts.items() if r in self.lag and self.lag[r] < c]
+        self._reused = frozenset(reused)
+        # after this step every request in it has draft KV up to its last token: the blocks it
+        # caught up, and the blocks written afresh this step (newly admitted or allocated) are valid
+        if self.stale:
+            for req_id, _, _ in self._catch_up:
+                self.stale.difference_update(*self._blocks(req_id, scheduler_output))
+            for new in new_reqs:
+                self.stale.difference_update(*new.block_ids)
+            for new_ids in cached.new_block_ids:
+                if new_ids is not None:
+                    self.stale.difference_update(*new_ids)
         for req_id in starts:
             self.lag.pop(req_id, None)
 
+    def _blocks(self, req_id: str, scheduler_output) -> tuple[list[int], ...]:
+        """``req_id``'s KV block ids per group as of this step (the runner's own record is updated
+        after ``note_step``)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id == req_id:
+                return new.block_ids
+        new_ids = cached.new_block_ids[cached.req_ids.index(req_id)]
+        if req_id in cached.resumed_req_ids:
+            return new_ids
+        old = self._runner.requests[req_id].block_ids
+        return old if new_ids is None else tuple(o + n for o, n in zip(old, new_ids))
+
+    def _block_sizes(self) -> list[int]:
+        return [group.kv_cache_spec.block_size for group in self._runner.kv_cache_config.kv_cache_groups]
+
+    def _leave(self, req_id: str) -> None:
+        """A request leaves its blocks (finished, or resumed onto new ones): those past its lag
+        keep a hole in their draft KV."""
+        lag = self.lag.pop(req_id, None)
+        state = self._runner.requests.get(req_id)
+        if lag is None or state is None:
+            return
+        for size, ids in zip(self._block_sizes(), state.block_ids):
+            self.stale.update(ids[lag // size:])
+
+    def _stale_holders(self) -> set[int]:
+        """``stale`` and the blocks past the lag of requests that still lag (live, or preempted)."""
+        out = set(self.stale)
+        for req_id, lag in self.lag.items():
+            state = self._runner.requests.get(req_id)
+            if state is not None:
+                for size, ids in zip(self._block_sizes(), state.block_ids):
+                    out.update(ids[lag // size:])
+        return out
+
+    def _first_stale_position(self, block_ids: tuple[list[int], ...], start: int, stale: set[int]) -> int | None:
+        """The first position before ``start`` in a block of ``stale`` (None: all draft KV there)."""
+        first = None
+        for size, ids in zip(self._block_sizes(), block_ids):
+            for index, block in enumerate(ids[: -(-start // size)]):
+                if block in stale:
+                    first = index * size if first is None else min(first, index * size)
+                    break
+        return first
+
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
         self.last_caught_up = frozenset(req_id for req_id, _, _ in self._catch_up)
+        self.last_reused, self._reused = self._reused, frozenset()
         if self._catch_up:
             self._run_catch_up(kwargs["common_attn_metadata"])
         return super().propose(num_speculative_tokens, *args, **kwargs)

@@ -98,17 +98,19 @@ class _ProveWorkerMixin:
         runner = self.model_runner
         batch = runner.input_batch
         caught_up = getattr(runner.drafter, "last_caught_up", frozenset())
+        reused = getattr(runner.drafter, "last_reused", frozenset())
         for req_id, tokens in zip(drafts.req_ids, drafts.draft_token_ids):
             index = batch.req_id_to_index.get(req_id)
             if index is None or runner.discard_request_mask.np[index] or not len(tokens):
                 continue  # a prompt still being prefilled: its drafts are discarded
             context = batch.token_ids_cpu[index, : batch.num_tokens_no_spec[index]].tolist()
-            records.append((context, [int(t) for t in tokens], req_id in caught_up))
+            records.append((context, [int(t) for t in tokens], req_id in caught_up, req_id in reused))
 
     def prove_record_drafts(self, on: bool = True) -> list | None:
         """Record each drafting step's drafts with the committed context they follow (a test of
         the draft KV under the adaptive depth); returns what was recorded so far and, with
-        ``on`` False, stops. Records: (context token ids, drafts, whether catch-up ran first)."""
+        ``on`` False, stops. Records: (context token ids, drafts, whether catch-up ran first,
+        whether the request was just admitted on prefix-cached draft KV, reused without catch-up)."""
         records = getattr(self, "_prove_draft_records", None)
         self._prove_draft_records = [] if on else None
         return records

@@ -857,7 +857,8 @@ def summary_delta(before: dict | None, after: dict) -> dict:
     own share), with the mean verify depth and the share of plain (depth-0) request steps, and
     the cost estimates as of ``after``."""
     out = {"policy": after["policy"], "steps": after["steps"] - (before or {}).get("steps", 0), "cost": after["cost"],
-           "overhead_ms": after.get("overhead_ms"), "realized": after.get("realized")}
+           "overhead_ms": after.get("overhead_ms"), "loop_gap_ms": after.get("loop_gap_ms"),
+           "realized": after.get("realized")}
     for key in ("depths", "draft_depths"):
         earlier = (before or {}).get(key, {})
         hist = {k: v - earlier.get(k, 0) for k, v in after[key].items()}

@@ -15,13 +15,15 @@ applies. Per step:
    request after this step's verification: vLLM's dynamic-SD field, read by every drafter's
    ``propose(num_speculative_tokens=...)`` (``gpu_model_runner.py:4763``). ``D = 0`` skips
    ProVe-lossless' mask pass; vLLM's draft model still re-reads the verified rows (its own KV).
-3. **Measure** (after ``update_from_output``): the step's seconds, from the start of
-   ``schedule`` (model execution, sampling and drafting included) to the end of
-   ``update_from_output``, or of ``update_draft_token_ids`` when the engine then fetched the
-   step's drafts from the workers (``EngineCore.post_step``: a round trip that only speculative
-   steps pay, ``executor``), with its shape (requests, target rows, drafter passes and rows) and
-   the tokens it committed -> the online cost fit and the throughput guard; each verification's
-   drafted and accepted counts -> the acceptance estimates.
+3. **Measure** (when the next step starts): the step's cycle, from the start of its ``schedule``
+   to the start of the next one: model execution, sampling and drafting, the engine's draft
+   fetch (``EngineCore.post_step``: a round trip that only speculative steps pay, ``executor``)
+   and its loop between steps (outputs handed to the front end, new requests read: on a 2-CPU
+   machine shared with the front end ~1 ms a step, a cost per step that speculation pays fewer
+   times per token, and that a measure ending at ``update_from_output`` left out; the last step
+   before the engine idles ends there), with its shape (requests, target rows, drafter passes
+   and rows) and the tokens it committed -> the online cost fit and the throughput guard; each
+   verification's drafted and accepted counts -> the acceptance estimates.
 
 In ProVe-lossless a step with ``D = 0`` also skips vLLM's drafter plumbing in the model runner
 (``PlainStepRunnerMixin``, installed by ``worker.install``).
@@ -50,7 +52,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_prove.config import EngineMode
 from vllm_prove.core.adaptive import DepthController, DraftKind, StepShape
-from vllm_prove.engine.seeded import WholeSeededSteps, seeded_sampling
+from vllm_prove.engine.seeded import WholeSeededSteps
 from vllm_prove.engine.settings import engine_settings
 
 logger = init_logger(__name__)
@@ -85,13 +87,15 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self._load = 0  # the load the step was decided at
         self._last_log = time.monotonic()
         self._own_seconds = 0.0
+        self._loop_gap_ms: float | None = None  # the engine's time between a step's update and the next step (EWMA)
 
     def schedule(self, *args, **kwargs):
         self._step_start = start = time.perf_counter()
-        if self._pending is not None:  # the last step drafted nothing: no fetch came after it
-            self._observe_pending(fetched=False)
+        if self._pending is not None:  # the last step's cycle ends where this one starts
+            self._observe_pending(end=start)
         decoding = [r for r in self.running if r.num_output_tokens > 0]
-        pinned = frozenset(r.request_id for r in self.running if seeded_sampling(r))
+        seeded = self.seeded_ids
+        pinned = frozenset(r.request_id for r in self.running if r.request_id in seeded) if seeded else frozenset()
         # the load the step runs: the running requests and those it can admit from the queue
         load = min(sum(self.get_request_counts()), self.max_num_running_reqs)
         self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned, load)
@@ -103,12 +107,14 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         end = time.perf_counter()
         if output.total_num_scheduled_tokens:
             draft_depth = plan.draft_depth
-            if pinned or any(seeded_sampling(self.requests[r]) for r in output.num_scheduled_tokens):
+            if pinned or (seeded and any(r in seeded for r in output.num_scheduled_tokens)):
                 draft_depth = self.num_spec_tokens  # a seeded sampler runs or was admitted in this very step
             else:  # drafted for the load the next step verifies at (this step's prompts admitted)
                 draft_depth = self.depth.draft_depth_for(len(self.running), draft_depth)
             output.num_spec_tokens_to_schedule = min(draft_depth, self.num_spec_tokens)
-        setattr(output, SUMMARY_ATTR, self.depth.step_summary() | {"overhead_ms": self._overhead_ms()})
+        setattr(output, SUMMARY_ATTR, self.depth.step_summary() | {
+            "overhead_ms": self._overhead_ms(),
+            "loop_gap_ms": None if self._loop_gap_ms is None else round(self._loop_gap_ms, 4)})
         self._own_seconds += (mid - start) + (time.perf_counter() - end)
         return output
 
@@ -147,25 +153,25 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                 # chunks riding along included); a step that only prefills (a prompt admitted to an
                 # idle engine) costs the same in either regime and feeds only the cost fit
                 committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
-            # observed once the engine has fetched the step's drafts (a round trip to the workers
-            # that is part of the step's cost), or at the next step when it fetched none
+            # observed when the next step starts: its cycle includes the engine's draft fetch and
+            # its loop between steps; the last step before the engine idles ends here
             self._pending = (shape, committed, self._load, self._step_start, time.perf_counter())
+            if not self.get_num_unfinished_requests():
+                self._observe_pending(end=self._pending[-1])
         self._plan = None
         self._own_seconds += time.perf_counter() - start
         return outputs
 
-    def update_draft_token_ids(self, draft_token_ids) -> None:
-        super().update_draft_token_ids(draft_token_ids)
-        if self._pending is not None:
-            self._observe_pending(fetched=True)
-
-    def _observe_pending(self, fetched: bool) -> None:
-        """Feed the last step to the controller: from the start of its ``schedule`` to the end of
-        its ``update_from_output``, and on through the draft fetch when there was one."""
+    def _observe_pending(self, end: float) -> None:
+        """Feed the last step to the controller: its cycle, from the start of its ``schedule`` to
+        ``end`` (the next step's start, or the end of its ``update_from_output`` when the engine
+        idles after it)."""
         start = time.perf_counter()
         shape, committed, load, step_start, step_end = self._pending
         self._pending = None
-        self.depth.observe_step(shape, (start if fetched else step_end) - step_start, committed, load)
+        self.depth.observe_step(shape, end - step_start, committed, load)
+        gap = self._loop_gap_ms
+        self._loop_gap_ms = 1000 * (end - step_end) if gap is None else 0.99 * gap + 10 * (end - step_end)
         self._maybe_log()
         self._own_seconds += time.perf_counter() - start
 

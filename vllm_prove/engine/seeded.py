@@ -47,8 +47,22 @@ class WholeSeededSteps:
     Put it before vLLM's ``Scheduler`` in the bases; it runs at the start of ``schedule`` and
     needs a synchronous scheduler (no output placeholders)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seeded_ids: set[str] = set()  # the requests that sample from their own seed (none: nothing to do)
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        if seeded_sampling(request):
+            self.seeded_ids.add(request.request_id)
+
+    def _free_request(self, request, *args, **kwargs):
+        self.seeded_ids.discard(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
+
     def schedule(self, *args, **kwargs):
-        self._seat_seeded_requests()
+        if self.seeded_ids:
+            self._seat_seeded_requests()
         return super().schedule(*args, **kwargs)
 
     def _seat_seeded_requests(self) -> None:

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core.adaptive import (PLAIN_REFIT_EVERY, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+from vllm_prove.core.adaptive import (CLOSE_STEPS, PLAIN_REFIT_EVERY, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
                                       StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
@@ -378,7 +378,9 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
 def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
     """A retry of 4 speculative steps waits for 19 times its time in plain steps, so retries take
     5% of the time: where a speculative step costs four plain ones (a high load) one retry comes
-    every 316 steps, where it costs about one plain step every 88; the first retry too."""
+    every 316 steps. Where it costs about one plain step the two rates are close (91 against 100
+    per request-second), so each retry measures CLOSE_STEPS steps and the next waits for 19 times
+    that: one every 701 steps, again 5% of the time. The first retry waits as if for 4 steps."""
     def gaps(spec_seconds):
         guard = ThroughputGuard(min_steps=4)
         for _ in range(4):
@@ -396,7 +398,7 @@ def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
     dear, dear_share = gaps(0.041)
     assert {b - a for a, b in zip(dear, dear[1:])} == {4 + 312} and 0.045 < dear_share <= 0.05  # 19 x 0.164 s
     cheap, cheap_share = gaps(0.011)
-    assert {b - a for a, b in zip(cheap, cheap[1:])} == {4 + 84} and 0.045 < cheap_share <= 0.05
+    assert {b - a for a, b in zip(cheap, cheap[1:])} == {CLOSE_STEPS + 669} and 0.045 < cheap_share <= 0.05
     # the first retry waits as long: for 19 times what `min_steps` speculative steps have cost (the 4
     # plain steps observed before the loop count), not for `retry_every` decisions only
     assert (dear[0], cheap[0]) == (312 - 4, 84 - 4)
@@ -543,6 +545,52 @@ def test_step_summary_keeps_counts_current_and_refreshes_estimates_every_few_ste
         assert (s["realized"] == full["realized"]) == refreshed
         if not refreshed:
             assert s["realized"] == ctrl.step_summary()["realized"]  # the cached estimates
+
+
+def test_a_retry_that_finds_the_two_rates_close_measures_on():
+    """A retry that finds speculation far behind plain decoding ends once `min_steps` steps have
+    measured it; one that finds the two within CLOSE_WITHIN goes on to CLOSE_STEPS steps, so a
+    few slow steps do not decide a close call: here speculation reads 9% behind over its first
+    8 steps and 5% ahead over the rest, and the retry ends speculating."""
+    def retry(seconds):  # seconds of the retry's speculative steps, one after another
+        guard = ThroughputGuard(min_steps=4, retry_budget=0.5)
+        for _ in range(8):
+            guard.observe(8, False, 8, 0.010)  # plain: 100 per request-second
+            guard.observe(8, True, 8, 0.020)  # speculation: 50
+        while guard.plain_wins(8):
+            guard.observe(8, False, 8, 0.010)
+        steps = 0
+        while guard.retrying(8):
+            guard.observe(8, True, 8, seconds(steps))
+            steps += 1
+            guard.plain_wins(8)  # (the next decision: the retry ends here once measured)
+        return guard, steps
+    guard, steps = retry(lambda i: 0.020)  # 50 per request-second: clearly behind
+    assert steps == 4 and guard.prefers_plain(8)
+    guard, steps = retry(lambda i: 0.011 if i < 8 else 0.0095)  # 91, then 105
+    assert steps == CLOSE_STEPS and not guard.prefers_plain(8)
+    assert guard.rate(8, speculative=True) > 102
+
+
+def test_a_plain_block_that_finds_the_two_rates_close_measures_on():
+    """The same for a block measuring plain decoding afresh while speculating: a clear call ends
+    after `min_steps` plain steps, a close one after CLOSE_STEPS."""
+    def block(plain_seconds):
+        guard = ThroughputGuard(min_steps=4, retry_budget=0.5)
+        for _ in range(8):
+            guard.observe(8, False, 8, 0.0105)  # plain: 95 per request-second
+            guard.observe(8, True, 8, 0.010)  # speculation: 100, ahead (but by less than REFRESH_WITHIN)
+        while not guard.plain_block(8):
+            guard.observe(8, True, 8, 0.010)
+        steps = 0
+        while guard.plain_block(8):
+            guard.observe(8, False, 8, plain_seconds)
+            steps += 1
+        return guard, steps
+    guard, steps = block(0.0105)  # 95 again: a close call
+    assert steps == CLOSE_STEPS and not guard.prefers_plain(8)
+    guard, steps = block(0.020)  # 50: clearly behind
+    assert steps == 4 and not guard.prefers_plain(8)
 
 
 def test_a_retry_speculates_where_the_fit_says_plain_and_ends_once_measured():

@@ -276,6 +276,8 @@ def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless)
     assert summary["policy"] == "measured" and summary["steps"] > 100
     assert all(0 <= int(k) <= BLOCK_SIZE for k in summary["depths"]) and sum(summary["depths"].values()) > 0
     assert summary["cost"] is not None and summary["cost"]["c_0"] + summary["cost"]["c_row"] > 0
+    # a step's cost runs to the next step's start: the engine's loop between steps is measured too
+    assert 0 < summary["loop_gap_ms"] < 1000
     # The controller counts every verification vLLM's own spec-decode counters count, with the
     # same outcome (a stop inside an accepted block included)
     vllm_counts = lossless.summary

@@ -362,7 +362,7 @@ class ThroughputGuard:
     two rates compare again; where they come within `CLOSE_WITHIN` of each other the retry goes
     on to `CLOSE_STEPS` steps (`_settled`: on a 2-CPU machine retries of 4-8 steps read mode
     `sd`'s speculation at 16 in flight at 67-97 tokens per request-second against plain
-    decoding's 95-104, where vLLM's fixed-depth SD realized 1.07x AR).
+    decoding's 95-104, where vLLM's fixed-depth SD realized 1.09x AR).
 
     A retry is due after `retry_every` plain decisions *and* once the plain regime has run
     `1 / retry_budget - 1` times as long as the last retry took, so retries take at most

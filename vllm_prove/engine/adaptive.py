@@ -208,8 +208,9 @@ class PlainStepRunnerMixin:
     _prove_plain_step = False  # this step runs vLLM's non-speculative path
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        if scheduler_output.total_num_scheduled_tokens and hasattr(self.drafter, "note_step"):
-            self.drafter.note_step(scheduler_output)
+        if hasattr(self.drafter, "note_step") and (scheduler_output.total_num_scheduled_tokens
+                                                   or scheduler_output.finished_req_ids):
+            self.drafter.note_step(scheduler_output)  # (an empty step may report finished requests)
         self._prove_plain_step = (
             not self.model_config.is_hybrid
             and scheduler_output.total_num_scheduled_tokens > 0

@@ -214,14 +214,17 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         self._reused: frozenset[str] = frozenset()
 
     def note_step(self, scheduler_output) -> None:
-        """Every step with scheduled tokens, before it runs: where each request's target pass
-        starts, and whether the drafter will run after it (``num_spec_tokens_to_schedule``)."""
+        """Every step with scheduled tokens or finished requests, before it runs (the runner still
+        holds the finished ones): where each request's target pass starts, and whether the
+        drafter will run after it (``num_spec_tokens_to_schedule``)."""
+        for req_id in scheduler_output.finished_req_ids:
+            self._leave(req_id)  # (the last requests of a run are reported in a step of their own)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return
         cached = scheduler_output.scheduled_cached_reqs
         new_reqs = scheduler_output.scheduled_new_reqs
         starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
         starts.update((new.req_id, new.num_computed_tokens) for new in new_reqs)
-        for req_id in scheduler_output.finished_req_ids:
-            self._leave(req_id)
         # admitted on (or resumed onto) cached blocks: reuse their draft KV up to the first stale one
         admitted = [new.req_id for new in new_reqs] + list(cached.resumed_req_ids)
         for req_id in cached.resumed_req_ids:

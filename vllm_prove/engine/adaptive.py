@@ -21,9 +21,10 @@ applies. Per step:
    and its loop between steps (outputs handed to the front end, new requests read: a cost per
    step that speculation pays fewer times per token; on the CPU 0.04-0.13 ms a plain step,
    0.5-1.4 ms a speculative one with the fetch, reported as ``loop_gap_ms``; the last step
-   before the engine idles ends at its ``update_from_output``), with its shape (requests, target rows, drafter passes
-   and rows) and the tokens it committed -> the online cost fit and the throughput guard; each
-   verification's drafted and accepted counts -> the acceptance estimates.
+   before the engine idles ends at its ``update_from_output``), with its shape (requests,
+   target rows, drafter passes and rows) and the tokens it committed -> the online cost fit and
+   the throughput guard; each verification's drafted and accepted counts -> the acceptance
+   estimates.
 
 In ProVe-lossless a step with ``D = 0`` also skips vLLM's drafter plumbing in the model runner
 (``PlainStepRunnerMixin``, installed by ``worker.install``).
@@ -170,8 +171,8 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         shape, committed, load, step_start, step_end = self._pending
         self._pending = None
         self.depth.observe_step(shape, end - step_start, committed, load)
-        gap = self._loop_gap_ms
-        self._loop_gap_ms = 1000 * (end - step_end) if gap is None else 0.99 * gap + 10 * (end - step_end)
+        gap_ms, last = 1000 * (end - step_end), self._loop_gap_ms
+        self._loop_gap_ms = gap_ms if last is None else 0.99 * last + 0.01 * gap_ms
         self._maybe_log()
         self._own_seconds += time.perf_counter() - start
 

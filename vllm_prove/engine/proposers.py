@@ -275,24 +275,26 @@ class CatchUpDraftModelProposer(DraftModelProposer):
     def _block_sizes(self) -> list[int]:
         return [group.kv_cache_spec.block_size for group in self._runner.kv_cache_config.kv_cache_groups]
 
+    def _blocks_past_lag(self, req_id: str, lag: int) -> list[int]:
+        """The runner's blocks of ``req_id`` that hold positions from ``lag`` on (none if it has
+        no record of the request)."""
+        state = self._runner.requests.get(req_id)
+        if state is None:
+            return []
+        return [block for size, ids in zip(self._block_sizes(), state.block_ids) for block in ids[lag // size:]]
+
     def _leave(self, req_id: str) -> None:
         """A request leaves its blocks (finished, or resumed onto new ones): those past its lag
         keep a hole in their draft KV."""
         lag = self.lag.pop(req_id, None)
-        state = self._runner.requests.get(req_id)
-        if lag is None or state is None:
-            return
-        for size, ids in zip(self._block_sizes(), state.block_ids):
-            self.stale.update(ids[lag // size:])
+        if lag is not None:
+            self.stale.update(self._blocks_past_lag(req_id, lag))
 
     def _stale_holders(self) -> set[int]:
         """``stale`` and the blocks past the lag of requests that still lag (live, or preempted)."""
         out = set(self.stale)
         for req_id, lag in self.lag.items():
-            state = self._runner.requests.get(req_id)
-            if state is not None:
-                for size, ids in zip(self._block_sizes(), state.block_ids):
-                    out.update(ids[lag // size:])
+            out.update(self._blocks_past_lag(req_id, lag))
         return out
 
     def _first_stale_position(self, block_ids: tuple[list[int], ...], start: int, stale: set[int]) -> int | None:

@@ -171,8 +171,9 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         shape, committed, load, step_start, step_end = self._pending
         self._pending = None
         self.depth.observe_step(shape, end - step_start, committed, load)
-        gap_ms, last = 1000 * (end - step_end), self._loop_gap_ms
-        self._loop_gap_ms = gap_ms if last is None else 0.99 * last + 0.01 * gap_ms
+        if end > step_end:  # (a step before the engine idles has no gap to measure)
+            gap_ms, last = 1000 * (end - step_end), self._loop_gap_ms
+            self._loop_gap_ms = gap_ms if last is None else 0.99 * last + 0.01 * gap_ms
         self._maybe_log()
         self._own_seconds += time.perf_counter() - start
 

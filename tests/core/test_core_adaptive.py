@@ -839,6 +839,36 @@ def test_a_plain_regime_fits_its_costs_rarely():
     assert len(fits) == 32 // ctrl.refit_every
 
 
+def test_a_fitted_plain_plan_is_refitted_rarely_until_the_load_moves():
+    """Where the fit (not the guard) decodes a load plainly, its plain steps tell it nothing new
+    about speculating: it is refitted every PLAIN_REFIT_EVERY steps while the load stays in its
+    bucket (in the engine a fit and the solve after it every refit_every steps took ~0.1 ms of a
+    6 ms plain step at 32 in flight), and at once when the load moves to another bucket, whose
+    plan then follows the fresh fit; a speculative plan is refitted every refit_every steps."""
+    cost = StepCost(c_0=0.01, c_req=0.0002, c_row=0.0004, c_pass=0.001, c_draft_row=0.0004)
+    wave = [f"w{i}" for i in range(32)]
+    ctrl = _feed(DepthController(8, PAR), cost, 0.8, 40, wave)
+    assert ctrl.decide(wave).draft_depth == 0 and not ctrl.guard.prefers_plain(32)  # the fit's plan
+    fits = []
+    fit = ctrl.costs.fit
+    ctrl.costs.fit = lambda: fits.append(ctrl.steps) or fit()
+    _feed(ctrl, cost, 0.8, 2 * PLAIN_REFIT_EVERY, wave)
+    assert 1 <= len(fits) <= 2 and all(b - a >= PLAIN_REFIT_EVERY for a, b in zip(fits, fits[1:]))
+    # one request: another bucket (the guard first measures its plain rate in a block), then a fit
+    # at once, and the fit's plan
+    fits.clear()
+    for _ in range(4 * ctrl.guard.min_steps):
+        plan = ctrl.decide(["last"])
+        if not plan.explored:
+            break
+        shape = StepShape.of(1, 0, plan.draft_depth, PAR)
+        ctrl.observe_step(shape, cost(shape), 1)
+    assert ctrl.guard.knows(1, speculative=False) and not plan.explored
+    assert fits == [ctrl.steps] and plan.draft_depth > 0
+    _feed(ctrl, cost, 0.8, 4 * ctrl.refit_every, ["last"])
+    assert len(fits) >= 4
+
+
 def test_a_lower_loads_retry_leaves_its_verdict_to_the_loads_above():
     """17-32 in flight decodes plainly by 9-16's verdict; while 9-16 retries speculation (its
     speculative rate forgotten), 17-32 keeps that verdict rather than fall to the cost fit (which

@@ -130,18 +130,14 @@ def plain(cases) -> Run:
 
 @pytest.fixture(scope="module")
 def lossless(cases, plain, zoo_models) -> Run:  # `plain` first: one engine at a time
-    from vllm import SamplingParams
-
     run = Run()
     # turned on the way `vllm serve --speculative-config` does (the gated modes' tests use additional_config)
     with engine(speculative_config=LOSSLESS_SPECULATIVE_CONFIG, **PER_REQUEST_METRICS) as llm:
         run.probe = llm.collective_rpc("prove_probe")[0]
         run.abort = abort_mid_generation(llm, cases)  # the greedy runs then show it keeps serving
         _greedy_runs(llm, cases, run)
-        # The workers hold the summary that the last scheduled step carried, built before that
-        # step's verifications; a one-token request (a prefill: nothing to verify) carries one
-        # that has seen them all.
-        llm.generate([cases[0].prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        # (the plug-in's executor answers the summary from the scheduler as of the call: it has
+        # seen every verification vLLM's counters have)
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
         run.adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
         run.seeded = seeded_runs(llm, _seeded_cases(cases))

@@ -35,11 +35,16 @@ the mask KV a shorter verification leaves behind lies past the next verification
 (``tests/engine/test_engine_lossless.py`` drives random schedules).
 
 Observability: the decisions and the cost estimates are logged every ``LOG_EVERY_S`` seconds, vLLM's
-spec-decode counters carry the mean verify depth (``num_draft_tokens / num_drafts``), and every
-``SchedulerOutput`` carries ``DepthController.step_summary()`` to the workers (attribute
-``SUMMARY_ATTR``, a few hundred bytes; the decision counts current, the estimates refreshed every
-16 steps), where ``LLM.collective_rpc("prove_adaptive_summary")``
-reads the latest.
+spec-decode counters carry the mean verify depth (``num_draft_tokens / num_drafts``), and
+``LLM.collective_rpc("prove_adaptive_summary")`` returns ``prove_adaptive_summary()`` as of the
+call: the plug-in's executors answer it from this scheduler (``executor.serve_summary``); on any
+other executor (Ray) every ``SchedulerOutput`` carries ``DepthController.step_summary()`` to the
+workers (attribute ``SUMMARY_ATTR``; the decision counts current, the estimates refreshed every
+16 steps), which answer with the latest.
+
+A plain step's own work here is kept to a few dict lookups per request: on the CPU the engine
+core's Python runs cold after every model pass, and at 32 in flight each 0.05 ms of it is ~1% of
+a plain step (docs/BENCHMARKS.md, session 17).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_prove.config import EngineMode
 from vllm_prove.core.adaptive import DepthController, DraftKind, StepShape
+from vllm_prove.engine.executor import serve_summary
 from vllm_prove.engine.seeded import WholeSeededSteps
 from vllm_prove.engine.settings import engine_settings
 
@@ -89,6 +95,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self._last_log = time.monotonic()
         self._own_seconds = 0.0
         self._loop_gap_ms: float | None = None  # the engine's time between a step's update and the next step (EWMA)
+        self._ship_summary = not serve_summary(self)  # (an executor of the plug-in's asks this scheduler)
 
     def schedule(self, *args, **kwargs):
         self._step_start = start = time.perf_counter()
@@ -101,8 +108,10 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         load = min(sum(self.get_request_counts()), self.max_num_running_reqs)
         self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned, load)
         self._load = load
+        depths = plan.depths
         for request in decoding:
-            del request.spec_token_ids[plan.depths[request.request_id]:]
+            if request.spec_token_ids:  # (none after a step that drafted nothing)
+                del request.spec_token_ids[depths[request.request_id]:]
         mid = time.perf_counter()
         output = super().schedule(*args, **kwargs)
         end = time.perf_counter()
@@ -113,15 +122,20 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             else:  # drafted for the load the next step verifies at (this step's prompts admitted)
                 draft_depth = self.depth.draft_depth_for(len(self.running), draft_depth)
             output.num_spec_tokens_to_schedule = min(draft_depth, self.num_spec_tokens)
-        setattr(output, SUMMARY_ATTR, self.depth.step_summary() | {
-            "overhead_ms": self._overhead_ms(),
-            "loop_gap_ms": None if self._loop_gap_ms is None else round(self._loop_gap_ms, 4)})
+        if self._ship_summary:
+            setattr(output, SUMMARY_ATTR, self.depth.step_summary() | self._timings())
         self._own_seconds += (mid - start) + (time.perf_counter() - end)
         return output
 
-    def _overhead_ms(self) -> float:
-        """The controller's own time per decided step so far (deciding, measuring, reporting)."""
-        return round(1000 * self._own_seconds / max(1, self.depth.steps), 4)
+    def prove_adaptive_summary(self) -> dict:
+        """``DepthController.summary()`` as of now (the fit in use), with ``overhead_ms`` (the
+        controller's own time per decided step: deciding, measuring, reporting) and
+        ``loop_gap_ms`` (the engine's time between a step's end and the next step)."""
+        return self.depth.summary(refit=False) | self._timings()
+
+    def _timings(self) -> dict:
+        return {"overhead_ms": round(1000 * self._own_seconds / max(1, self.depth.steps), 4),
+                "loop_gap_ms": None if self._loop_gap_ms is None else round(self._loop_gap_ms, 4)}
 
     def update_from_output(self, scheduler_output, model_runner_output):
         start = time.perf_counter()
@@ -153,7 +167,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                 # what a step with decoding requests committed feeds the throughput guard (prefill
                 # chunks riding along included); a step that only prefills (a prompt admitted to an
                 # idle engine) costs the same in either regime and feeds only the cost fit
-                committed = sum(len(sampled[index[r]]) for r in scheduler_output.num_scheduled_tokens if r in index)
+                committed = sum(map(len, sampled))  # (one entry per scheduled request, as req_id_to_index)
             # observed when the next step starts: its cycle includes the engine's draft fetch and
             # its loop between steps; the last step before the engine idles ends here
             self._pending = (shape, committed, self._load, self._step_start, time.perf_counter())

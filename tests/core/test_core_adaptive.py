@@ -433,6 +433,40 @@ def test_guard_skips_the_start_up_probe_and_the_switches_between_regimes():
     assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2}
 
 
+def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision():
+    """The engine observes a step while the next one runs, after deciding it (``step=`` names the
+    step's own decision): the probe's last step is still the probe's, not counted; the first step
+    after the probe is."""
+    for late in (False, True):
+        ctrl = DepthController(4, PAR)
+        pending = None
+        for _ in range(len(ctrl.probe) + 1):
+            ctrl.decide(["a"])
+            if late and pending is not None:
+                ctrl.observe_step(*pending)
+            plain = ctrl.steps > len(ctrl.probe)  # (the probe ends with speculative steps: see the probe order)
+            shape = StepShape.of(1, 0, 0, PAR) if plain else StepShape.of(1, 4, 4, PAR, spec_requests=1)
+            pending = (shape, 0.05, 1, None, ctrl.steps - 1)
+            if not late:
+                ctrl.observe_step(*pending)
+        assert ctrl.guard.summary() == {}  # (the probe's steps, and the switch out of speculation)
+        ctrl.decide(["a"])
+        if late:
+            ctrl.observe_step(*pending)
+        ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, ctrl.steps - 1)
+        assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
+    # a probe step observed late is the probe's (without `step=` it would count as the step after it)
+    ctrl = DepthController(4, PAR)
+    for _ in range(len(ctrl.probe)):
+        ctrl.decide(["a"])
+    ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.05, 1)  # a probe step, on time
+    ctrl.decide(["a"])
+    ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, len(ctrl.probe) - 1)  # the probe's last, late
+    assert ctrl.guard.summary() == {}
+    ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, len(ctrl.probe))
+    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
+
+
 def test_a_new_wave_of_prompts_drafts_nothing_where_plain_decoding_wins():
     """A step that only prefills (16 prompts admitted together) drafts for the step after it; where
     plain decoding wins at 16 running, that step would drop the drafts, so it drafts none, while the

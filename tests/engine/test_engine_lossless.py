@@ -274,6 +274,9 @@ def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless)
     assert summary["cost"] is not None and summary["cost"]["c_0"] + summary["cost"]["c_row"] > 0
     # a step's cost runs to the next step's start: the engine's loop between steps is measured too
     assert 0 < summary["loop_gap_ms"] < 1000
+    # steps are measured while the workers run the next one (get_grammar_bitmask), off the steps'
+    # critical path; deciding, applying and reading the output stay on it
+    assert summary["window_ms"] > 0 and summary["overhead_ms"] > 0
     # The controller counts every verification vLLM's own spec-decode counters count, with the
     # same outcome (a stop inside an accepted block included)
     vllm_counts = lossless.summary

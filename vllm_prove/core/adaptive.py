@@ -798,7 +798,7 @@ class DepthController:
         return decision
 
     def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None,
-                     load: int | None = None) -> None:
+                     load: int | None = None, step: int | None = None) -> None:
         """A step's shape and duration (the cost fit); with `committed` (tokens the step
         committed) also the throughput guard, in the step's regime: plain if it verified and
         drafted nothing, else speculative. Every step of a regime counts: a step that only drafts
@@ -811,7 +811,9 @@ class DepthController:
         regimes (a step that drafts with nothing to verify, and the first plain step after
         speculative ones, ~5% dearer than the next) (docs/METHODS.md §9). `load`: the load the
         step was decided at (``decide``), whose bucket of the guard the step feeds (default: its
-        requests)."""
+        requests). `step`: the index of the decision it ran (``steps - 1`` right after its
+        ``decide``; the default: the last decision), for an engine that observes a step only
+        once the next one is decided."""
         self.costs.update(shape, seconds)
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
         # a switch: into speculation, a step that drafts with nothing to verify; out of it, the
@@ -820,7 +822,8 @@ class DepthController:
         self._observed_draft_depth = shape.draft_depth
         if committed is None:
             return
-        skip = switch or self.steps <= len(self.probe) and self.policy == "measured"
+        decided = self.steps - 1 if step is None else step
+        skip = switch or decided < len(self.probe) and self.policy == "measured"
         if speculative:
             # a load's first speculative steps (the start-up probe's and switches included) run new
             # shapes, whose first passes are slow on a CPU (at 2 in flight they once kept a load
@@ -896,7 +899,8 @@ def summary_delta(before: dict | None, after: dict) -> dict:
     own share), with the mean verify depth and the share of plain (depth-0) request steps, and
     the cost estimates as of ``after``."""
     out = {"policy": after["policy"], "steps": after["steps"] - (before or {}).get("steps", 0), "cost": after["cost"],
-           "overhead_ms": after.get("overhead_ms"), "loop_gap_ms": after.get("loop_gap_ms"),
+           "overhead_ms": after.get("overhead_ms"), "window_ms": after.get("window_ms"),
+           "loop_gap_ms": after.get("loop_gap_ms"),
            "realized": after.get("realized")}
     for key in ("depths", "draft_depths"):
         earlier = (before or {}).get(key, {})

@@ -15,8 +15,8 @@ applies. Per step:
    request after this step's verification: vLLM's dynamic-SD field, read by every drafter's
    ``propose(num_speculative_tokens=...)`` (``gpu_model_runner.py:4763``). ``D = 0`` skips
    ProVe-lossless' mask pass; vLLM's draft model still re-reads the verified rows (its own KV).
-3. **Measure** (when the next step starts): the step's cycle, from the start of its ``schedule``
-   to the start of the next one: model execution, sampling and drafting, the engine's draft
+3. **Measure** (while the next step's model pass runs): the step's cycle, from the start of its
+   ``schedule`` to the start of the next one: model execution, sampling and drafting, the engine's draft
    fetch (``EngineCore.post_step``: a round trip that only speculative steps pay, ``executor``)
    and its loop between steps (outputs handed to the front end, new requests read: a cost per
    step that speculation pays fewer times per token; on the CPU 0.04-0.13 ms a plain step,
@@ -24,7 +24,12 @@ applies. Per step:
    before the engine idles ends at its ``update_from_output``), with its shape (requests,
    target rows, drafter passes and rows) and the tokens it committed -> the online cost fit and
    the throughput guard; each verification's drafted and accepted counts -> the acceptance
-   estimates.
+   estimates (at once, in ``update_from_output``). The step's observation is fed in
+   ``get_grammar_bitmask``, which ``EngineCore.step`` calls between sending a step to the workers
+   and waiting for its result (``core.py:668-674``): the engine core would spend that time
+   polling, so the measurement costs no step any time (the decision it informs is the step after
+   next: one step later than at the start of ``schedule``, where it took ~0.03 ms of every
+   step's critical path at 32 in flight on the CPU).
 
 In ProVe-lossless a step with ``D = 0`` also skips vLLM's drafter plumbing in the model runner
 (``PlainStepRunnerMixin``, installed by ``worker.install``).
@@ -90,24 +95,26 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
         self._plan = None
         self._step_start = 0.0
-        self._pending = None  # (shape, committed, load, start, end) of the last step, until observed
-        self._load = 0  # the load the step was decided at
+        self._pending = None  # (shape, committed, load, decision, start, end) of the last step, until observed
+        self._pending_end: float | None = None  # where its cycle ended (the next step's start), once known
+        self._load, self._decided = 0, -1  # the load the step was decided at, and its decision's index
         self._last_log = time.monotonic()
-        self._own_seconds = 0.0
+        self._own_seconds = 0.0  # on the steps' critical path
+        self._window_seconds = 0.0  # while the workers run a step (``get_grammar_bitmask``)
         self._loop_gap_ms: float | None = None  # the engine's time between a step's update and the next step (EWMA)
         self._ship_summary = not serve_summary(self)  # (an executor of the plug-in's asks this scheduler)
 
     def schedule(self, *args, **kwargs):
         self._step_start = start = time.perf_counter()
-        if self._pending is not None:  # the last step's cycle ends where this one starts
-            self._observe_pending(end=start)
+        if self._pending is not None and self._pending_end is None:
+            self._pending_end = start  # the last step's cycle ends where this one starts
         decoding = [r for r in self.running if r.num_output_tokens > 0]
         seeded = self.seeded_ids
         pinned = frozenset(r.request_id for r in self.running if r.request_id in seeded) if seeded else frozenset()
         # the load the step runs: the running requests and those it can admit from the queue
         load = min(sum(self.get_request_counts()), self.max_num_running_reqs)
         self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned, load)
-        self._load = load
+        self._load, self._decided = load, self.depth.steps - 1  # (the decision's index, for its observation)
         depths = plan.depths
         for request in decoding:
             if request.spec_token_ids:  # (none after a step that drafted nothing)
@@ -127,14 +134,26 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self._own_seconds += (mid - start) + (time.perf_counter() - end)
         return output
 
+    def get_grammar_bitmask(self, scheduler_output):
+        # (the workers run the step meanwhile: module docstring, step 3)
+        if self._pending_end is not None:
+            start = time.perf_counter()
+            self._observe_pending(self._pending_end)
+            self._window_seconds += time.perf_counter() - start
+        return super().get_grammar_bitmask(scheduler_output)
+
     def prove_adaptive_summary(self) -> dict:
         """``DepthController.summary()`` as of now (the fit in use), with ``overhead_ms`` (the
-        controller's own time per decided step: deciding, measuring, reporting) and
-        ``loop_gap_ms`` (the engine's time between a step's end and the next step)."""
+        controller's own time per decided step on the steps' critical path: deciding, applying,
+        reading the step's output), ``window_ms`` (its time per step while the workers run the
+        step: measuring) and ``loop_gap_ms`` (the engine's time between a step's end and the next
+        step)."""
         return self.depth.summary(refit=False) | self._timings()
 
     def _timings(self) -> dict:
-        return {"overhead_ms": round(1000 * self._own_seconds / max(1, self.depth.steps), 4),
+        steps = max(1, self.depth.steps)
+        return {"overhead_ms": round(1000 * self._own_seconds / steps, 4),
+                "window_ms": round(1000 * self._window_seconds / steps, 4),
                 "loop_gap_ms": None if self._loop_gap_ms is None else round(self._loop_gap_ms, 4)}
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -157,6 +176,8 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             self.depth.observe_verifications(list(ids), list(drafted), list(accepted))
         total = scheduler_output.total_num_scheduled_tokens
         if total and self._plan is not None:
+            if self._pending is not None:  # (a step whose window never came: ``get_grammar_bitmask``)
+                self._observe_pending(self._pending_end or start)
             requests = len(scheduler_output.num_scheduled_tokens)
             num_spec = sum(len(d) for d in spec.values())
             extra_rows = total - requests - num_spec  # prefill chunks
@@ -168,11 +189,12 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                 # chunks riding along included); a step that only prefills (a prompt admitted to an
                 # idle engine) costs the same in either regime and feeds only the cost fit
                 committed = sum(map(len, sampled))  # (one entry per scheduled request, as req_id_to_index)
-            # observed when the next step starts: its cycle includes the engine's draft fetch and
-            # its loop between steps; the last step before the engine idles ends here
-            self._pending = (shape, committed, self._load, self._step_start, time.perf_counter())
+            # observed while the next step runs (its cycle, to the next step's start, includes the
+            # engine's draft fetch and its loop between steps); the last step before the engine
+            # idles ends here
+            self._pending = (shape, committed, self._load, self._decided, self._step_start, time.perf_counter())
             if not self.get_num_unfinished_requests():
-                self._observe_pending(end=self._pending[-1])
+                self._observe_pending(self._pending[-1])
         self._plan = None
         self._own_seconds += time.perf_counter() - start
         return outputs
@@ -181,15 +203,13 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         """Feed the last step to the controller: its cycle, from the start of its ``schedule`` to
         ``end`` (the next step's start, or the end of its ``update_from_output`` when the engine
         idles after it)."""
-        start = time.perf_counter()
-        shape, committed, load, step_start, step_end = self._pending
-        self._pending = None
-        self.depth.observe_step(shape, end - step_start, committed, load)
+        shape, committed, load, decided, step_start, step_end = self._pending
+        self._pending = self._pending_end = None
+        self.depth.observe_step(shape, end - step_start, committed, load, step=decided)
         if end > step_end:  # (a step before the engine idles has no gap to measure)
             gap_ms, last = 1000 * (end - step_end), self._loop_gap_ms
             self._loop_gap_ms = gap_ms if last is None else 0.99 * last + 0.01 * gap_ms
         self._maybe_log()
-        self._own_seconds += time.perf_counter() - start
 
     def _free_request(self, request, *args, **kwargs):
         self.depth.finish(request.request_id)

@@ -282,6 +282,9 @@ def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless)
     vllm_counts = lossless.summary
     assert summary["verified_per_position"][0] == vllm_counts.num_drafts
     assert summary["accepted_per_position"] == vllm_counts.accepted_per_position
+    # every request's acceptance counts leave with it (a verification in a request's last step was
+    # once recorded after vLLM had freed the request: a row per such request, never freed)
+    assert summary["tracked_requests"] == 0
     # One request in flight speculates (~1.5x plain decoding there, docs/BENCHMARKS.md): the
     # start-up probe's slow first passes no longer turn it plain for good (that left 15
     # speculative steps at one request in flight; a healthy run has several hundred)

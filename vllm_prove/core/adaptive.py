@@ -293,7 +293,10 @@ class AcceptanceTracker:
         seen = np.stack([pos[None, :] < np.minimum(drafted, accepted + 1)[:, None],  # reached
                          pos[None, :] < accepted[:, None]], axis=1).astype(np.float64)  # taken: [n, 2, W]
         rows = [self._row(r) for r in request_ids]  # (first: a new request may grow the array)
-        np.add.at(self._counts, rows, seen)  # (a repeated id counts twice)
+        if len(set(rows)) == len(rows):
+            self._counts[rows] += seen
+        else:
+            np.add.at(self._counts, rows, seen)  # (a repeated id counts twice; ~10x slower)
         pooled = seen.sum(axis=0)
         self._pop_n += pooled[0]
         self._pop_s += pooled[1]
@@ -891,6 +894,7 @@ class DepthController:
             # counters count the same: num_drafts = verified[0], accepted_per_position)
             "verified_per_position": [int(n) for n in self.tracker._pop_n.tolist()],
             "accepted_per_position": [int(n) for n in self.tracker._pop_s.tolist()],
+            "tracked_requests": len(self.tracker._slot),  # requests with acceptance counts of their own
         }
 
 

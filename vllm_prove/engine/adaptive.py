@@ -168,12 +168,12 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         verified = [(req_id, len(drafts), len(sampled[index[req_id]]) - 1) for req_id, drafts in spec.items()
                     if sampled and req_id in index and sampled[index[req_id]] and drafts
                     and (request := self.requests.get(req_id)) is not None and not request.is_finished()]
+        if verified:  # (before vLLM's update frees the requests that finish: their rows go with them)
+            ids, drafted, accepted = zip(*verified)
+            self.depth.observe_verifications(list(ids), list(drafted), list(accepted))
         self._own_seconds += time.perf_counter() - start
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         start = time.perf_counter()
-        if verified:
-            ids, drafted, accepted = zip(*verified)
-            self.depth.observe_verifications(list(ids), list(drafted), list(accepted))
         total = scheduler_output.total_num_scheduled_tokens
         if total and self._plan is not None:
             if self._pending is not None:  # (a step whose window never came: ``get_grammar_bitmask``)

@@ -3,6 +3,8 @@ against brute force, the online cost fit and the acceptance estimates."""
 
 from __future__ import annotations
 
+import copy
+
 import itertools
 import random
 
@@ -465,6 +467,49 @@ def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision()
     assert ctrl.guard.summary() == {}
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, len(ctrl.probe))
     assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
+
+
+def test_prepare_makes_the_next_decisions_fit_and_solve_ahead_without_changing_it():
+    """The engine calls ``prepare`` while its workers run a step: where the next decision is the
+    solver's and a fit is due, the fit and the solve are made there, and the next ``decide`` makes
+    neither and decides as it would have alone; for other requests than prepared it solves for
+    itself; where the guard decodes plainly prepare does nothing."""
+    cost = StepCost(c_0=0.004, c_req=0.0002, c_row=0.0002, c_pass=0.001, c_draft_row=0.0001)
+    ctrl = _feed(DepthController(8, PAR), cost, 0.7, 60, ["a"])
+    while (ctrl.steps - ctrl._fit_step < ctrl.refit_every
+           or ctrl.steps % (ctrl.explore_every * (1 if ctrl._last_draft_depth else 4)) == 0):
+        _feed(ctrl, cost, 0.7, 1, ["a"])  # (to a step whose decision fits afresh, not an exploration)
+    calls = []
+
+    def counted(c):
+        fit, solve = c.costs.fit, c._solve
+        c.costs.fit = lambda: calls.append("fit") or fit()
+        c._solve = lambda *a: calls.append("solve") or solve(*a)
+        return c
+
+    alone = counted(copy.deepcopy(ctrl))
+    assert alone.decide(["a"]).draft_depth > 0 and calls == ["fit", "solve"]  # (a solver's decision)
+    calls.clear()
+    ahead = counted(copy.deepcopy(ctrl))
+    ahead.prepare(["a"], 1)
+    assert calls == ["fit", "solve"] and ahead._fit_step == ahead.steps
+    calls.clear()
+    plan, plan_alone = ahead.decide(["a"]), copy.deepcopy(ctrl).decide(["a"])
+    assert calls == [] and (plan.depths, plan.draft_depth) == (plan_alone.depths, plan_alone.draft_depth)
+    # prepared for "a"; "a" finishes and "b" takes its place: the decision solves for itself, with
+    # the prepared fit
+    other = counted(copy.deepcopy(ctrl))
+    other.prepare(["a"], 1)
+    calls.clear()
+    assert other.decide(["b"]).depths.keys() == {"b"} and calls == ["solve"]
+    # where the guard decodes plainly, nothing is prepared
+    plain = counted(copy.deepcopy(ctrl))
+    for _ in range(8):
+        plain.guard.observe(1, False, 1, 0.001)  # plain 1000 per request-second
+        plain.guard.observe(1, True, 2, 0.010)  # speculative 200
+    calls.clear()
+    plain.prepare(["a"], 1)
+    assert plain.guard.prefers_plain(1) and calls == []
 
 
 def test_a_new_wave_of_prompts_drafts_nothing_where_plain_decoding_wins():

@@ -736,6 +736,31 @@ class DepthController:
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
 
+    def prepare(self, request_ids: list, load: int) -> None:
+        """The fit and the solve the next decision would make for ``request_ids`` at ``load``, made
+        ahead: an engine calls this while its workers run a step (the engine core would poll
+        meanwhile), so the next ``decide`` finds both done. Only where the next decision is the
+        solver's (the guard neither decodes the load plainly nor measures it in a block) and a fit
+        or a solve is due; the guard's state is read, never advanced. A decision that differs (a
+        request finished or was admitted, the guard moved) solves for itself, as without it."""
+        if self.policy != "measured" or not request_ids or self.last_cost is None or self.steps < len(self.probe):
+            return
+        if self.guard.prefers_plain(load) or self.guard.measuring_plain(load):
+            return
+        step, bucket = self.steps, self.guard.bucket(load)  # (the next decision's index)
+        if step % (self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)) == 0:
+            return  # (it may explore: ``_decide``, which then fits a step later)
+        plain_plan = self._cached[2] == 0 and not any(self._cached[1].values()) and bucket == self._fit_bucket
+        fresh = step - self._fit_step >= (PLAIN_REFIT_EVERY if plain_plan else self.refit_every)
+        if fresh:
+            self.last_cost, self._fit_step, self._fit_bucket = self.costs.fit(), step, bucket
+        speculate = self.guard.retrying(load)
+        overrule = not speculate and self.guard.speculation_faster(load)
+        key = (tuple(request_ids), speculate, overrule)
+        if fresh or key != self._cached[0]:
+            depths, d = self._solve(self.tracker._rates(request_ids), speculate, overrule)
+            self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
+
     def _solve(self, rates: np.ndarray, speculate: bool, overrule: bool) -> tuple[torch.Tensor, int]:
         """``choose_depths`` for requests with acceptance ``rates`` ([batch, >= max_depth]) under
         the fit in use. ``overrule``: the fit says plain, the engine realized speculation faster at

@@ -29,7 +29,9 @@ applies. Per step:
    and waiting for its result (``core.py:668-674``): the engine core would spend that time
    polling, so the measurement costs no step any time (the decision it informs is the step after
    next: one step later than at the start of ``schedule``, where it took ~0.03 ms of every
-   step's critical path at 32 in flight on the CPU).
+   step's critical path at 32 in flight on the CPU). The same window makes the next decision's
+   cost fit and solve ahead (``DepthController.prepare``: every 8 steps while speculating, and for
+   each new set of requests; ~0.1 ms a step at one request in flight).
 
 In ProVe-lossless a step with ``D = 0`` also skips vLLM's drafter plumbing in the model runner
 (``PlainStepRunnerMixin``, installed by ``worker.install``).
@@ -136,10 +138,14 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
 
     def get_grammar_bitmask(self, scheduler_output):
         # (the workers run the step meanwhile: module docstring, step 3)
+        start = time.perf_counter()
         if self._pending_end is not None:
-            start = time.perf_counter()
             self._observe_pending(self._pending_end)
-            self._window_seconds += time.perf_counter() - start
+        if scheduler_output.total_num_scheduled_tokens and not self.seeded_ids:
+            # the next decision's fit and solve, for the requests running now at the load now
+            self.depth.prepare([r.request_id for r in self.running],
+                               min(sum(self.get_request_counts()), self.max_num_running_reqs))
+        self._window_seconds += time.perf_counter() - start
         return super().get_grammar_bitmask(scheduler_output)
 
     def prove_adaptive_summary(self) -> dict:

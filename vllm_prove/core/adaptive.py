@@ -695,10 +695,7 @@ class DepthController:
         if self.guard.plain_block(load):  # the guard measures plain decoding here (afresh)
             self._refit(step, PLAIN_REFIT_EVERY)
             return Decision(dict.fromkeys(request_ids, 0), 0, True)
-        # while the plan is plain, an exploration drafts for a step that drops the drafts (a whole
-        # wasted draft pass): it comes PLAIN_EXPLORE_SLOWER times less often
-        every = self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)
-        if step % every == 0 and not self.guard.prefers_plain(load) \
+        if step % self._explore_every() == 0 and not self.guard.prefers_plain(load) \
                 and not self.guard.retrying(load):
             # (where plain decoding has been faster, the guard's retries explore instead)
             i = self.choices.index(self._last_draft_depth)
@@ -717,10 +714,32 @@ class DepthController:
         # and at 32 in flight a fit and the solve after it every 8 steps took ~0.1 ms a step of the
         # engine core (1.5% of a plain step); a new load gets a fresh fit at once
         bucket = self.guard.bucket(load)
-        plain_plan = self._cached[2] == 0 and not any(self._cached[1].values()) and bucket == self._fit_bucket
-        refit = self._refit(step, PLAIN_REFIT_EVERY if plain_plan else self.refit_every)
+        refit = self._refit(step, self._solver_refit_every(bucket))
         if refit:
             self._fit_bucket = bucket
+        self._solve_cached(request_ids, load, refit)
+        _, depths, d = self._cached
+        self._last_draft_depth = d
+        return Decision(dict(depths), d, False)
+
+    def _explore_every(self) -> int:
+        # while the plan is plain, an exploration drafts for a step that drops the drafts (a whole
+        # wasted draft pass): it comes PLAIN_EXPLORE_SLOWER times less often
+        return self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)
+
+    def _solver_refit_every(self, bucket: int) -> int:
+        """Steps between the solver's fits: a fitted plan that decodes plainly is refitted as
+        rarely as the guard's plain regime while the load stays in its bucket (its own steps tell
+        the fit nothing new about speculating, and at 32 in flight a fit and the solve after it
+        every 8 steps took ~0.1 ms a step of the engine core, 1.5% of a plain step); a new load
+        gets a fresh fit at once."""
+        plain_plan = self._cached[2] == 0 and not any(self._cached[1].values()) and bucket == self._fit_bucket
+        return PLAIN_REFIT_EVERY if plain_plan else self.refit_every
+
+    def _solve_cached(self, request_ids: list, load: int, refit: bool) -> None:
+        """The solver's plan for ``request_ids`` at ``load`` into ``_cached``: solved again after a
+        new fit or for other requests; else the same requests keep their depths until the next fit
+        (acceptance moves slowly; a step must not wait ~0.1 ms for it)."""
         # a retry measures speculation as the solver runs it: every request verifies a draft,
         # even where the fit says plain decoding wins (it could otherwise decide depth 0 for the
         # whole retry, which then never ends: steps that decode plainly do not measure speculation)
@@ -728,13 +747,8 @@ class DepthController:
         overrule = not speculate and self.guard.speculation_faster(load)
         key = (tuple(request_ids), speculate, overrule)
         if refit or key != self._cached[0]:
-            # a new fit, or other requests: solve again; else the same requests keep their depths
-            # until the next fit (acceptance moves slowly; a step must not wait ~0.1 ms for it)
             depths, d = self._solve(self.tracker._rates(request_ids), speculate, overrule)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
-        _, depths, d = self._cached
-        self._last_draft_depth = d
-        return Decision(dict(depths), d, False)
 
     def prepare(self, request_ids: list, load: int) -> None:
         """The fit and the solve the next decision would make for ``request_ids`` at ``load``, made
@@ -748,18 +762,12 @@ class DepthController:
         if self.guard.prefers_plain(load) or self.guard.measuring_plain(load):
             return
         step, bucket = self.steps, self.guard.bucket(load)  # (the next decision's index)
-        if step % (self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)) == 0:
+        if step % self._explore_every() == 0:
             return  # (it may explore: ``_decide``, which then fits a step later)
-        plain_plan = self._cached[2] == 0 and not any(self._cached[1].values()) and bucket == self._fit_bucket
-        fresh = step - self._fit_step >= (PLAIN_REFIT_EVERY if plain_plan else self.refit_every)
+        fresh = step - self._fit_step >= self._solver_refit_every(bucket)
         if fresh:
             self.last_cost, self._fit_step, self._fit_bucket = self.costs.fit(), step, bucket
-        speculate = self.guard.retrying(load)
-        overrule = not speculate and self.guard.speculation_faster(load)
-        key = (tuple(request_ids), speculate, overrule)
-        if fresh or key != self._cached[0]:
-            depths, d = self._solve(self.tracker._rates(request_ids), speculate, overrule)
-            self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
+        self._solve_cached(request_ids, load, fresh)
 
     def _solve(self, rates: np.ndarray, speculate: bool, overrule: bool) -> tuple[torch.Tensor, int]:
         """``choose_depths`` for requests with acceptance ``rates`` ([batch, >= max_depth]) under

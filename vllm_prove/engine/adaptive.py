@@ -113,8 +113,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         decoding = [r for r in self.running if r.num_output_tokens > 0]
         seeded = self.seeded_ids
         pinned = frozenset(r.request_id for r in self.running if r.request_id in seeded) if seeded else frozenset()
-        # the load the step runs: the running requests and those it can admit from the queue
-        load = min(sum(self.get_request_counts()), self.max_num_running_reqs)
+        load = self._load_now()
         self._plan = plan = self.depth.decide([r.request_id for r in decoding], pinned, load)
         self._load, self._decided = load, self.depth.steps - 1  # (the decision's index, for its observation)
         depths = plan.depths
@@ -143,10 +142,13 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             self._observe_pending(self._pending_end)
         if scheduler_output.total_num_scheduled_tokens and not self.seeded_ids:
             # the next decision's fit and solve, for the requests running now at the load now
-            self.depth.prepare([r.request_id for r in self.running],
-                               min(sum(self.get_request_counts()), self.max_num_running_reqs))
+            self.depth.prepare([r.request_id for r in self.running], self._load_now())
         self._window_seconds += time.perf_counter() - start
         return super().get_grammar_bitmask(scheduler_output)
+
+    def _load_now(self) -> int:
+        """The load a step runs: the running requests and those it can admit from the queue."""
+        return min(sum(self.get_request_counts()), self.max_num_running_reqs)
 
     def prove_adaptive_summary(self) -> dict:
         """``DepthController.summary()`` as of now (the fit in use), with ``overhead_ms`` (the

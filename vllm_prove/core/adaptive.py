@@ -141,15 +141,11 @@ def choose_depths(
     kind: DraftKind = DraftKind.PARALLEL,
     # [batch, max_depth + 1] bool or None: which depths request r may use (depth 0 always may)
     allowed: torch.Tensor | None = None,
-    speculate: bool = False,
 ) -> tuple[torch.Tensor, int]:  # ([batch] int64 K_r, draft depth D >= max K_r)
     """The verify depths ``K_r`` and the draft depth ``D`` that maximize
     ``sum_r E_r(K_r) / t(StepShape.of(R, sum K_r, D))``, exactly: for each ``D`` the rate is a
     ratio of a separable sum and a cost linear in ``sum K_r`` (Dinkelbach); the best ``D`` wins.
-    Ties go to the shallower depth. ``speculate``: the best plan in which every request verifies
-    at least one draft (the throughput guard's retry measures speculation as the solver would run
-    it, even where the fit says plain decoding wins); the unrestricted best where no such plan
-    exists. Runs once per engine step, so it is numpy, vectorized over every ``D`` at once (~0.1 ms
+    Ties go to the shallower depth. Runs once per engine step, so it is numpy, vectorized over every ``D`` at once (~0.1 ms
     for 32 requests and B = 8)."""
     as_np = lambda x: x.numpy() if isinstance(x, torch.Tensor) else x  # noqa: E731
     E = np.asarray(as_np(expected), dtype=np.float64)
@@ -157,21 +153,18 @@ def choose_depths(
     if batch == 0:
         return torch.zeros(0, dtype=torch.int64), 0
     ok = np.ones((batch, width), dtype=bool) if allowed is None else np.array(as_np(allowed), dtype=bool)
-    ok[:, 0] = not speculate
+    ok[:, 0] = True
     depth = np.arange(width)
     ok = ok[None, :, :] & (depth[None, None, :] <= depth[:, None, None])  # [D, batch, K]: K <= D
-    feasible = ok.any(axis=-1).all(axis=-1)  # [D]: every request has a depth it may take
-    if not feasible.any():  # (speculate, but no request may verify a draft)
-        return choose_depths(E, cost, kind, allowed)
     fixed, own = _step_costs(batch, width, kind, tuple(cost.coefficients().tolist()))
     rows = np.arange(batch)
-    choice = ok.argmax(axis=-1)  # [D, batch]: the shallowest depth allowed (0 unless speculating)
-    rate = np.where(feasible, E[rows[None, :], choice].sum(axis=1) / (fixed + own[choice].sum(axis=1)), -np.inf)
+    choice = ok.argmax(axis=-1)  # [D, batch]: the shallowest depth allowed (0)
+    rate = E[rows[None, :], choice].sum(axis=1) / (fixed + own[choice].sum(axis=1))
     for _ in range(MAX_DINKELBACH_ITERS):
-        score = np.where(ok, E[None] - np.where(feasible, rate, 0.0)[:, None, None] * own[None, None, :], -np.inf)
+        score = np.where(ok, E[None] - rate[:, None, None] * own[None, None, :], -np.inf)
         new = score.argmax(axis=-1)  # [D, batch]: the first (shortest) of the maxima
         new_rate = E[rows[None, :], new].sum(axis=1) / (fixed + own[new].sum(axis=1))
-        improved = feasible & (new_rate > rate + 1e-12)
+        improved = new_rate > rate + 1e-12
         if not improved.any():
             break
         choice[improved], rate[improved] = new[improved], new_rate[improved]
@@ -740,9 +733,9 @@ class DepthController:
         """The solver's plan for ``request_ids`` at ``load`` into ``_cached``: solved again after a
         new fit or for other requests; else the same requests keep their depths until the next fit
         (acceptance moves slowly; a step must not wait ~0.1 ms for it)."""
-        # a retry measures speculation as the solver runs it: every request verifies a draft,
-        # even where the fit says plain decoding wins (it could otherwise decide depth 0 for the
-        # whole retry, which then never ends: steps that decode plainly do not measure speculation)
+        # a retry measures speculation, even where the fit says plain decoding wins, at the full
+        # depth there (`_solve`; the solver could otherwise decide depth 0 for the whole retry,
+        # which then never ends: steps that decode plainly do not measure speculation)
         speculate = self.guard.retrying(load)
         overrule = not speculate and self.guard.speculation_faster(load)
         key = (tuple(request_ids), speculate, overrule)
@@ -771,13 +764,20 @@ class DepthController:
 
     def _solve(self, rates: np.ndarray, speculate: bool, overrule: bool) -> tuple[torch.Tensor, int]:
         """``choose_depths`` for requests with acceptance ``rates`` ([batch, >= max_depth]) under
-        the fit in use. ``overrule``: the fit says plain, the engine realized speculation faster at
-        this load (a cost the fit has no term for): speculate, with the plan the fit likes best."""
+        the fit in use. Where the fit says plain but the guard speculates (``speculate``: a retry
+        measures speculation; ``overrule``: the engine realized speculation faster at this load, a
+        cost the fit has no term for), every request takes the full depth, the fixed-depth plan:
+        the guard checks a fit that misjudges speculating, so it must not take the depths from
+        that fit (mode `sd` at 8 in flight: a fit that priced a draft-model request at 2.3 ms a
+        step retried at depth 1, read 0.9x plain decoding, and decoded plainly where vLLM's fixed
+        depth 5 realized 1.05-1.09x AR). Where the fit speculates, its plan runs (and is what a
+        retry measures)."""
         expected = _expected_np(rates[:, : self.max_depth])
         allowed = np.broadcast_to(self._allowed_row, (len(expected), self.max_depth + 1))
-        depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=speculate)
-        if d == 0 and overrule:
-            depths, d = choose_depths(expected, self.last_cost, self.kind, allowed, speculate=True)
+        depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
+        if d == 0 and (speculate or overrule):
+            full = self.choices[-1]
+            return torch.full((len(expected),), full, dtype=torch.int64), full
         return depths, d
 
     def _refit(self, step: int, every: int) -> bool:
@@ -871,9 +871,14 @@ class DepthController:
         # partly chance (they cluster where waves change), and a plain engine admits whole waves;
         # speculation keeps its own: its requests finish out of step, so it admits prompts one by
         # one, each chunk in a step of its own (charged to neither, speculation read 99.7 tokens
-        # per request-second at 16 in flight against plain blocks' 87.1, and realized 0.79x AR)
+        # per request-second at 16 in flight against plain blocks' 87.1, and realized 0.79x AR).
+        # But not in a retry: its few steps follow a plain regime's waves, so they carry a whole
+        # wave's prompts or none (mode `sd` at 8 in flight: a 5-step retry read 87.5 tokens per
+        # request-second against plain decoding's 140, where fixed-depth SD realized 1.09x AR);
+        # whether speculation then keeps up is for its steady steps, prompt chunks and all, to say
+        chunk_free = not speculative or self.guard.retrying(load or shape.requests)
         self.guard.observe(shape.requests, speculative, committed, seconds, counted=not skip, load=load,
-                           prefill_seconds=0.0 if speculative else self._prefill_seconds(shape))
+                           prefill_seconds=self._prefill_seconds(shape) if chunk_free else 0.0)
 
     def _prefill_seconds(self, shape: StepShape) -> float:
         """What the step's prompt chunks cost, as the cost fit has it: the step's predicted cost

@@ -145,8 +145,8 @@ def choose_depths(
     """The verify depths ``K_r`` and the draft depth ``D`` that maximize
     ``sum_r E_r(K_r) / t(StepShape.of(R, sum K_r, D))``, exactly: for each ``D`` the rate is a
     ratio of a separable sum and a cost linear in ``sum K_r`` (Dinkelbach); the best ``D`` wins.
-    Ties go to the shallower depth. Runs once per engine step, so it is numpy, vectorized over every ``D`` at once (~0.1 ms
-    for 32 requests and B = 8)."""
+    Ties go to the shallower depth. Runs once per engine step, so it is numpy, vectorized over
+    every ``D`` at once (~0.1 ms for 32 requests and B = 8)."""
     as_np = lambda x: x.numpy() if isinstance(x, torch.Tensor) else x  # noqa: E731
     E = np.asarray(as_np(expected), dtype=np.float64)
     batch, width = E.shape
@@ -158,7 +158,7 @@ def choose_depths(
     ok = ok[None, :, :] & (depth[None, None, :] <= depth[:, None, None])  # [D, batch, K]: K <= D
     fixed, own = _step_costs(batch, width, kind, tuple(cost.coefficients().tolist()))
     rows = np.arange(batch)
-    choice = ok.argmax(axis=-1)  # [D, batch]: the shallowest depth allowed (0)
+    choice = np.zeros((width, batch), dtype=np.int64)  # [D, batch]: start from plain decoding
     rate = E[rows[None, :], choice].sum(axis=1) / (fixed + own[choice].sum(axis=1))
     for _ in range(MAX_DINKELBACH_ITERS):
         score = np.where(ok, E[None] - rate[:, None, None] * own[None, None, :], -np.inf)
@@ -648,12 +648,12 @@ class DepthController:
         self._last_draft_depth = self.choices[-1]
         self._observed_draft_depth = 0  # the draft depth of the last step observed
         self._first_steps: Counter = Counter()  # guard bucket -> speculative steps observed there
-        self._cached: tuple = (((), False, False), {}, 0)  # ((ids, retry, overrule), depths, D) of the last solve
+        self._cached: tuple = (((), False), {}, 0)  # ((ids, guard speculates), depths, D) of the last solve
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
         self._fit_step = 0  # the step of the last fit
         self._fit_bucket = -1  # the guard's load bucket at the last fit of a solved decision
-        self._fresh: dict = {}  # (load, fit, retrying, overrule) -> a prefill-only step's draft depth
+        self._fresh: dict = {}  # (load, fit, guard speculates) -> a prefill-only step's draft depth
 
     def decide(self, request_ids: list, pinned=frozenset(), load: int | None = None) -> Decision:
         """Depths for the decoding ``request_ids``. ``load``: the requests the step will run
@@ -733,14 +733,10 @@ class DepthController:
         """The solver's plan for ``request_ids`` at ``load`` into ``_cached``: solved again after a
         new fit or for other requests; else the same requests keep their depths until the next fit
         (acceptance moves slowly; a step must not wait ~0.1 ms for it)."""
-        # a retry measures speculation, even where the fit says plain decoding wins, at the full
-        # depth there (`_solve`; the solver could otherwise decide depth 0 for the whole retry,
-        # which then never ends: steps that decode plainly do not measure speculation)
-        speculate = self.guard.retrying(load)
-        overrule = not speculate and self.guard.speculation_faster(load)
-        key = (tuple(request_ids), speculate, overrule)
+        speculate = self._guard_speculates(load)
+        key = (tuple(request_ids), speculate)
         if refit or key != self._cached[0]:
-            depths, d = self._solve(self.tracker._rates(request_ids), speculate, overrule)
+            depths, d = self._solve(self.tracker._rates(request_ids), speculate)
             self._cached = (key, dict(zip(request_ids, depths.tolist())), d)
 
     def prepare(self, request_ids: list, load: int) -> None:
@@ -762,11 +758,17 @@ class DepthController:
             self.last_cost, self._fit_step, self._fit_bucket = self.costs.fit(), step, bucket
         self._solve_cached(request_ids, load, fresh)
 
-    def _solve(self, rates: np.ndarray, speculate: bool, overrule: bool) -> tuple[torch.Tensor, int]:
+    def _guard_speculates(self, load: int) -> bool:
+        """Whether the guard has this load speculate whatever the fit says: a retry measures
+        speculation (left to the solver, it could decide depth 0 for the whole retry, which then
+        never ends: steps that decode plainly do not measure speculation), or the engine realized
+        speculation faster here (a cost the fit has no term for)."""
+        return self.guard.retrying(load) or self.guard.speculation_faster(load)
+
+    def _solve(self, rates: np.ndarray, speculate: bool) -> tuple[torch.Tensor, int]:
         """``choose_depths`` for requests with acceptance ``rates`` ([batch, >= max_depth]) under
-        the fit in use. Where the fit says plain but the guard speculates (``speculate``: a retry
-        measures speculation; ``overrule``: the engine realized speculation faster at this load, a
-        cost the fit has no term for), every request takes the full depth, the fixed-depth plan:
+        the fit in use. Where the fit says plain but the guard speculates (``speculate``,
+        ``_guard_speculates``), every request takes the full depth, the fixed-depth plan:
         the guard checks a fit that misjudges speculating, so it must not take the depths from
         that fit (mode `sd` at 8 in flight: a fit that priced a draft-model request at 2.3 ms a
         step retried at depth 1, read 0.9x plain decoding, and decoded plainly where vLLM's fixed
@@ -775,7 +777,7 @@ class DepthController:
         expected = _expected_np(rates[:, : self.max_depth])
         allowed = np.broadcast_to(self._allowed_row, (len(expected), self.max_depth + 1))
         depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
-        if d == 0 and (speculate or overrule):
+        if d == 0 and speculate:
             full = self.choices[-1]
             return torch.full((len(expected),), full, dtype=torch.int64), full
         return depths, d
@@ -802,12 +804,11 @@ class DepthController:
             return self._last_draft_depth  # (the start-up probe's; a caller that named no load)
         if self.guard.prefers_plain(load) or self.guard.measuring_plain(load):
             return 0  # (the next step decodes plainly: by the guard's rates, or to measure them afresh)
-        speculate = self.guard.retrying(load)
-        overrule = not speculate and self.guard.speculation_faster(load)  # (as ``_decide`` has them)
-        key = (load, tuple(self.last_cost.coefficients().tolist()), speculate, overrule)
+        speculate = self._guard_speculates(load)  # (as ``_decide`` has it)
+        key = (load, tuple(self.last_cost.coefficients().tolist()), speculate)
         if key not in self._fresh:  # (one load at a time: the cache spares a wave's repeated prefill steps)
             rates = np.broadcast_to(self.tracker._population(), (load, self.tracker.max_depth))
-            self._fresh = {key: self._solve(rates, speculate, overrule)[1]}
+            self._fresh = {key: self._solve(rates, speculate)[1]}
         return self._fresh[key]
 
     def _predicted_spec_step(self, num_requests: int) -> float:

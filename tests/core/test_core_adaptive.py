@@ -352,8 +352,9 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
         assert not guard.plain_wins(32)  # still measuring
     guard.observe(32, True, 40, 0.016)
     assert guard.plain_wins(32)  # plain is still ahead: plain again
-    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4 + 121},
-                                     "speculative": {"tok_per_req_s": 78.1, "steps": 4}, "retries": 1, "retry_ms": 64.0}
+    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4 + 121, "chunk_ms_per_tok": 0.0},
+                                     "speculative": {"tok_per_req_s": 78.1, "steps": 4, "chunk_ms_per_tok": 0.0},
+                                     "retries": 1, "retry_ms": 64.0}
     assert guard.bucket(17) == guard.bucket(32) != guard.bucket(33) and guard.bucket(16) != guard.bucket(17)  # 9-16, 17-32, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
     # the next retry waits for 19 x the last one's 64 ms of plain steps (a 5% budget)
@@ -366,7 +367,7 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
     for _ in range(4):  # this retry finds speculation faster (80 tokens per step)
         guard.observe(32, True, 80, 0.016)
     assert not guard.plain_wins(32) and not guard.plain_wins(32)  # speculation stays on
-    assert guard.summary()["32"]["speculative"] == {"tok_per_req_s": 156.2, "steps": 4}
+    assert guard.summary()["32"]["speculative"] == {"tok_per_req_s": 156.2, "steps": 4, "chunk_ms_per_tok": 0.0}
 
 
 def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
@@ -421,10 +422,11 @@ def test_guard_skips_the_start_up_probe_and_the_switches_between_regimes():
     assert ctrl.guard.summary() == {}
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1)  # plain
     ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.006, 1)  # the switch into speculation
-    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
+    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1, "chunk_ms_per_tok": 0.0}}}
     ctrl.observe_step(StepShape.of(1, 4, 4, PAR, spec_requests=1), 0.008, 4)  # verify and draft
     ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.005, 1)  # drafts only, while speculating
-    assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2}
+    assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2,
+                                                           "chunk_ms_per_tok": 0.0}
 
 
 def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision():
@@ -448,7 +450,7 @@ def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision()
         if late:
             ctrl.observe_step(*pending)
         ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, ctrl.steps - 1)
-        assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
+        assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1, "chunk_ms_per_tok": 0.0}}}
     # a probe step observed late is the probe's (without `step=` it would count as the step after it)
     ctrl = DepthController(4, PAR)
     for _ in range(len(ctrl.probe)):
@@ -458,7 +460,7 @@ def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision()
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, len(ctrl.probe) - 1)  # the probe's last, late
     assert ctrl.guard.summary() == {}
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, len(ctrl.probe))
-    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
+    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1, "chunk_ms_per_tok": 0.0}}}
 
 
 def test_prepare_makes_the_next_decisions_fit_and_solve_ahead_without_changing_it():
@@ -520,6 +522,29 @@ def test_a_new_wave_of_prompts_drafts_nothing_where_plain_decoding_wins():
     assert rnd.draft_depth_for(16, 8) == 8  # the random schedules of the exactness tests draw on
 
 
+def test_a_step_of_prompts_only_is_judged_at_the_last_decoding_load():
+    """Between two waves the next wave's first prompt can arrive alone: a step that only admits it
+    is judged at the load the engine was decoding at (where plain decoding wins: no drafts, which
+    the wave's next step would drop), not at 1 (where speculation wins); the decision names the
+    load its step's observation feeds."""
+    ctrl = DepthController(8, PAR, explore_every=1000)
+    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
+    many = [f"r{i}" for i in range(16)]
+    _feed(ctrl, cost, 0.9, 30, many)
+    for _ in range(8):
+        ctrl.guard.observe(16, False, 16, 0.004)  # 16 running: plain 250 per request-second
+        ctrl.guard.observe(16, True, 32, 0.020)  # speculative 100
+        ctrl.guard.observe(1, False, 1, 0.004)  # 1 running: speculation wins
+        ctrl.guard.observe(1, True, 3, 0.005)
+    assert ctrl.decide(many[:15], load=15).draft_depth == 0
+    alone = ctrl.decide([], load=1)
+    assert (alone.draft_depth, alone.load) == (0, 15)
+    fresh = DepthController(8, PAR, explore_every=1000)  # (never decoded: judged at its own load)
+    _feed(fresh, cost, 0.9, 30, ["a"])
+    assert fresh.decide(["a"], load=1).load == 1 and fresh.decide([], load=1).draft_depth > 0
+    assert ctrl.decide(["a"], load=1).load == 1  # a decoding step: its own load
+
+
 def test_a_retry_judges_speculation_by_its_own_steps_not_a_stale_estimate():
     """Speculation looked slow once (a few unlucky steps, the first passes at new shapes); a retry
     forgets that and measures it again, so a load that now speculates faster does so from the
@@ -545,61 +570,77 @@ def test_guard_rates_are_per_request_so_loads_in_one_bucket_compare_fairly():
     assert guard.bucket(9) == guard.bucket(15) and guard.plain_faster(12)
 
 
-def test_guard_charges_speculation_its_steps_and_prompt_chunks_but_not_plain_decoding():
-    """The speculative regime's steady steps (verify and draft) beat plain ones, but its steps that
-    only draft and those with a prompt chunk make it slower overall: the guard sees the whole
-    regime, and the controller decodes that load plainly (speculating requests finish out of step,
-    so prompts are admitted one by one, each chunk in a step of its own). Which plain steps carry
-    chunks is partly chance (they cluster where waves change, and a plain engine admits whole
-    waves): the guard takes their rows out at the cost fit's price, so plain steps that carry
-    chunks do not make plain decoding look slower."""
-    ctrl = DepthController(8, PAR, explore_every=1000)
-    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
-    many = [f"r{i}" for i in range(16)]
-    _feed(ctrl, cost, 0.9, 30, many)  # the cost fit says: speculate (and a prompt row costs 0.1 ms)
-    assert ctrl.decide(many).draft_depth > 0
-    steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
-    draft_only = StepShape.of(16, 0, 2, PAR)
-    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=50, spec_requests=15)
-    plain = StepShape.of(16, 0, 0, PAR)
-    plain_prefill = StepShape.of(16, 0, 0, PAR, extra_rows=150)
-    for _ in range(30):  # (the simulated steps before fade from the estimates)
-        ctrl.observe_step(plain, 0.009, 16)  # the first plain step after speculative ones (not counted)
-        ctrl.observe_step(plain_prefill, 0.023, 16)  # 8 ms of decoding and 15 of prompt rows: 125 per request-second
-        ctrl.observe_step(plain, 0.008, 16)
-        ctrl.observe_step(steady, 0.020, 48)  # 2400 tok/s: the steady steps alone would keep speculating
-        ctrl.observe_step(draft_only, 0.020, 16)
-        ctrl.observe_step(spec_prefill, 0.025, 46)  # 20 ms of decoding and 5 of prompt rows, all counted
-    assert ctrl.guard.rate(16, speculative=False) == pytest.approx(125, rel=0.05)  # charged, it would read 65
-    assert ctrl.guard.rate(16, speculative=True) == pytest.approx(110 / (0.065 * 16), rel=0.05)
-    assert ctrl.guard.plain_faster(16)
-    ctrl.guard.retry_budget = 0.5  # (a retry as soon as retry_every allows: the plain time is there)
-    plans = [ctrl.decide(many) for _ in range(33)]
-    assert all(p.draft_depth == 0 for p in plans[:32]) and plans[32].draft_depth > 0  # plain, then a retry
-
-
-def test_a_retry_takes_its_prompt_chunks_out_and_steady_speculation_keeps_them():
-    """A retry's few speculative steps follow a plain regime's waves, so they carry a whole wave's
-    prompts or none: like plain steps, they count without their prompt chunks (at the cost fit's
-    price). Steady speculation keeps its chunks (its requests finish out of step and admit
-    prompts one by one): the same step then counts whole."""
+def test_guard_prices_prompt_chunks_alike_in_both_regimes():
+    """Each regime's rate is its decoding (prompt rows out at the cost fit's price) plus its own
+    long-run prompt-chunk time per committed token: a plain regime's waves of prompts (some in
+    steps that only admit prompts) and speculation's one-by-one admissions are both charged. Which
+    recent steps carried a chunk is chance: the chunk cost is a long-run average, so a rate does
+    not swing with it. Steady speculation that decodes faster but admits its prompts dearly loses."""
     ctrl = DepthController(8, PAR, explore_every=1000)
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     many = [f"r{i}" for i in range(16)]
     _feed(ctrl, cost, 0.9, 30, many)
     ctrl.last_cost = cost  # (the fit in use prices a prompt row at 0.1 ms)
-    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=50, spec_requests=16)
     guard = ctrl.guard
     guard._sums.clear()
-    guard._retrying.add(guard.bucket(16))
-    for _ in range(6):
-        ctrl.observe_step(spec_prefill, 0.025, 48)  # 20 ms of decoding and 5 of prompt rows
-    assert guard.rate(16, speculative=True) == pytest.approx(48 / (0.020 * 16), rel=0.01)
-    guard._sums.clear()
+    guard._chunks.clear()
+    plain, plain_chunk = StepShape.of(16, 0, 0, PAR), StepShape.of(16, 0, 0, PAR, extra_rows=150)
+    steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
+    spec_chunk = StepShape.of(16, 32, 2, PAR, extra_rows=100, spec_requests=16)
+    for _ in range(40):  # a plain wave: 6 plain steps, one with a chunk (15 ms of prompt rows), one of prompts only
+        for _ in range(6):
+            ctrl.observe_step(plain, 0.008, 16)
+        ctrl.observe_step(plain_chunk, 0.023, 16)
+        ctrl.observe_step(plain, 0.016, 16, prompts_only=True)  # 16 ms of prompts
+    for _ in range(40):  # speculation: 3 steady steps and one admitting prompts (10 ms of prompt rows)
+        for _ in range(3):
+            ctrl.observe_step(steady, 0.020, 48)
+        ctrl.observe_step(spec_chunk, 0.040, 48)
+    # plain: 8 ms a step for 16 tokens (125 per request-second), and (15 + 16) ms of prompts per
+    # 7 * 16 + 16 tokens, for 16 requests each; speculation: 20 ms a step for 48 tokens (30 in the
+    # step with a prompt) and 10 ms of prompts per 4 * 48 tokens
+    plain_chunks = 0.031 * 16 / (8 * 16)
+    spec_chunks = 0.010 * 16 / (4 * 48)
+    assert guard.chunk_cost(16, False) == pytest.approx(plain_chunks, rel=0.02)
+    assert guard.chunk_cost(16, True) == pytest.approx(spec_chunks, rel=0.02)
+    assert guard.rate(16, False) == pytest.approx(1 / (0.008 / 1 + plain_chunks), rel=0.02)
+    assert guard.rate(16, True) == pytest.approx(1 / ((3 * 0.020 + 0.030) * 16 / (4 * 48) + spec_chunks), rel=0.02)
+    # 120 against 84 per request-second (with the chunks left out of plain decoding only, as a
+    # plain engine's waves admit them: 120 against 125, and plain decoding would win)
+    assert guard.speculation_faster(16)
+    # speculation's steps that admit a prompt now take 70 ms (the fit prices their rows at 10): plain wins
+    for _ in range(600):
+        ctrl.observe_step(steady, 0.020, 48)
+        ctrl.observe_step(spec_chunk, 0.070, 48)
+    assert guard.plain_faster(16)
+
+
+def test_a_regime_without_its_own_chunk_history_borrows_the_other_ones():
+    """A retry's few steps carry a plain regime's prompts (a whole wave or none), a plain block's
+    those of speculation (one by one): neither feeds its regime's chunk cost. Until a regime has run
+    steadily for CHUNK_MIN_STEPS it is charged the other regime's (every request is prefilled once
+    in either): a retry compares like with like. Steps that only admit prompts feed no rate."""
+    guard = ThroughputGuard(min_steps=4)
+    for _ in range(200):  # a plain regime: 20 ms of prompts per 10 steps of 16 tokens at 8 ms
+        for _ in range(9):
+            guard.observe(16, False, 16, 0.008)
+        guard.observe(16, False, 16, 0.020, counted=False, prefill_seconds=0.020)  # prompts only
+    plain_chunks = 0.020 * 16 / (10 * 16)
+    assert guard.chunk_cost(16, False) == pytest.approx(plain_chunks, rel=0.01)
+    assert guard.rate(16, False) == pytest.approx(1 / (0.008 + plain_chunks), rel=0.01)
+    bucket = guard.bucket(16)
+    guard._retrying.add(bucket)
+    for _ in range(6):  # the retry's steps, one with a wave's prompts (40 ms of 50)
+        guard.observe(16, True, 48, 0.020)
+    guard.observe(16, True, 48, 0.050, prefill_seconds=0.040)
+    assert (bucket, True) not in guard._chunks
+    assert guard.chunk_cost(16, True) == pytest.approx(plain_chunks, rel=0.01)
+    decoding = (6 * 0.020 + 0.010) * 16 / (7 * 48)
+    assert guard.rate(16, True) == pytest.approx(1 / (decoding + plain_chunks), rel=0.01)
     guard._retrying.clear()
-    for _ in range(6):
-        ctrl.observe_step(spec_prefill, 0.025, 48)
-    assert guard.rate(16, speculative=True) == pytest.approx(48 / (0.025 * 16), rel=0.01)
+    guard._plain_block.add(bucket)
+    guard.observe(16, False, 16, 0.030, prefill_seconds=0.022)
+    assert guard.chunk_cost(16, False) == pytest.approx(plain_chunks, rel=0.01)  # (unchanged)
 
 
 def test_controller_decodes_plainly_where_the_realized_rate_says_so():

@@ -44,6 +44,10 @@ RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retry
 REFRESH_WITHIN = 0.15  # a load's plain rate is measured afresh while speculation is ahead by less than this
 CLOSE_WITHIN = 0.15  # a fresh measurement that finds the two rates this close goes on ...
 CLOSE_STEPS = 32  # ... until this many of its steps are counted (a few steps are too noisy to call it)
+# a regime's first steps after a switch do not count towards its rate: on a 2-CPU machine the
+# lossless engine's plain steps amid speculation at 16 in flight took 10.4, 9.7, 9.7, 9.6, 9.5, 9.2,
+# 9.3, 8.8 ms where its plain regime's took 8.1-8.8 (a plain block read plain decoding 12-15% slow)
+SETTLE_STEPS = 6
 # a regime's prompt chunks per committed token are a long-run average (a plain regime at 16 in flight
 # admits a wave of prompts every ~49 steps: ~10 waves in the estimate's memory) ...
 CHUNK_DECAY = 0.998
@@ -692,6 +696,9 @@ class DepthController:
         self.last_cost: StepCost | None = None  # the fit the measured decisions use
         self._last_draft_depth = self.choices[-1]
         self._observed_draft_depth = 0  # the draft depth of the last step observed
+        self._regime_steps = 1 << 30  # decoding steps observed since the regime last switched (none yet: settled)
+        self._last_regime = False  # whether the last decoding step observed was speculative
+        self.settle_steps = SETTLE_STEPS
         self._first_steps: Counter = Counter()  # guard bucket -> speculative steps observed there
         self._cached: tuple = (((), False), {}, 0)  # ((ids, guard speculates), depths, D) of the last solve
         self._rng = random.Random(seed)
@@ -920,7 +927,9 @@ class DepthController:
                                prefill_seconds=seconds)
             return
         decided = self.steps - 1 if step is None else step
-        skip = switch or decided < len(self.probe) and self.policy == "measured"
+        self._regime_steps = 1 if switch or speculative != self._last_regime else self._regime_steps + 1
+        self._last_regime = speculative
+        skip = self._regime_steps <= self.settle_steps or decided < len(self.probe) and self.policy == "measured"
         if speculative:
             # a load's first speculative steps (the start-up probe's and switches included) run new
             # shapes, whose first passes are slow on a CPU (at 2 in flight they once kept a load

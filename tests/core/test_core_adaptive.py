@@ -14,8 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core import adaptive
-from vllm_prove.core.adaptive import (CLOSE_STEPS, PLAIN_REFIT_EVERY, SETTLE_STEPS, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+from vllm_prove.core.adaptive import (CLOSE_STEPS, PLAIN_REFIT_EVERY, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
                                       StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
@@ -175,13 +174,6 @@ def test_step_shapes_of_both_drafters():
     assert StepShape.of(1, 0, 2, PAR, extra_rows=30).rows == 31
 
 
-@pytest.fixture
-def one_settle_step(monkeypatch):
-    """Only a switch's first step goes uncounted (SETTLE_STEPS = 1): for tests of other rules, whose
-    step counts are kept short."""
-    monkeypatch.setattr(adaptive, "SETTLE_STEPS", 1)
-
-
 def _past_probe(ctrl, requests):
     """The controller after its start-up probe (whose steps the throughput guard does not count)."""
     for _ in range(len(ctrl.probe) + 1):
@@ -210,7 +202,6 @@ def _feed(ctrl, truth, accept, steps, requests):
     return ctrl
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_guard_learns_the_plain_rate_of_vllms_draft_model_too():
     """Mode `sd`: a plain step drafts no token and the guard counts it as plain (else the plain rate
     is never known and a plain block never ends); a step that only verifies belongs to the
@@ -254,7 +245,6 @@ def test_controller_probes_then_follows_the_load():
     assert ctrl.decide(many).draft_depth == 0
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_controller_explores_on_schedule_and_random_policy_keeps_k_within_d():
     ctrl = DepthController(4, PAR, explore_every=5)
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
@@ -362,9 +352,8 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
         assert not guard.plain_wins(32)  # still measuring
     guard.observe(32, True, 40, 0.016)
     assert guard.plain_wins(32)  # plain is still ahead: plain again
-    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4 + 121, "chunk_ms_per_tok": 0.0},
-                                     "speculative": {"tok_per_req_s": 78.1, "steps": 4, "chunk_ms_per_tok": 0.0},
-                                     "retries": 1, "retry_ms": 64.0}
+    assert guard.summary()["32"] == {"plain": {"tok_per_req_s": 100.0, "steps": 4 + 121},
+                                     "speculative": {"tok_per_req_s": 78.1, "steps": 4}, "retries": 1, "retry_ms": 64.0}
     assert guard.bucket(17) == guard.bucket(32) != guard.bucket(33) and guard.bucket(16) != guard.bucket(17)  # 9-16, 17-32, ...
     assert not guard.plain_wins(1)  # another load: nothing measured there
     # the next retry waits for 19 x the last one's 64 ms of plain steps (a 5% budget)
@@ -377,7 +366,7 @@ def test_throughput_guard_prefers_the_realized_faster_mode_per_load():
     for _ in range(4):  # this retry finds speculation faster (80 tokens per step)
         guard.observe(32, True, 80, 0.016)
     assert not guard.plain_wins(32) and not guard.plain_wins(32)  # speculation stays on
-    assert guard.summary()["32"]["speculative"] == {"tok_per_req_s": 156.2, "steps": 4, "chunk_ms_per_tok": 0.0}
+    assert guard.summary()["32"]["speculative"] == {"tok_per_req_s": 156.2, "steps": 4}
 
 
 def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
@@ -416,7 +405,6 @@ def test_guard_retries_take_a_bounded_share_of_the_plain_regimes_time():
         ThroughputGuard(retry_budget=1.0)
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_guard_skips_the_start_up_probe_and_the_switches_between_regimes():
     """The probe's steps (every depth in turn, each shape's first passes: slow on a CPU), the step
     that switches from plain to speculative (it drafts; nothing was drafted for it to verify) and
@@ -433,14 +421,12 @@ def test_guard_skips_the_start_up_probe_and_the_switches_between_regimes():
     assert ctrl.guard.summary() == {}
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1)  # plain
     ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.006, 1)  # the switch into speculation
-    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1, "chunk_ms_per_tok": 0.0}}}
+    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
     ctrl.observe_step(StepShape.of(1, 4, 4, PAR, spec_requests=1), 0.008, 4)  # verify and draft
     ctrl.observe_step(StepShape.of(1, 0, 4, PAR), 0.005, 1)  # drafts only, while speculating
-    assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2,
-                                                           "chunk_ms_per_tok": 0.0}
+    assert ctrl.guard.summary()["1"]["speculative"] == {"tok_per_req_s": round(4.8 / 0.0126, 1), "steps": 2}
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision():
     """The engine observes a step while the next one runs, after deciding it (``step=`` names the
     step's own decision): the probe's last step is still the probe's, not counted; the first step
@@ -462,7 +448,7 @@ def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision()
         if late:
             ctrl.observe_step(*pending)
         ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, ctrl.steps - 1)
-        assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1, "chunk_ms_per_tok": 0.0}}}
+        assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
     # a probe step observed late is the probe's (without `step=` it would count as the step after it)
     ctrl = DepthController(4, PAR)
     for _ in range(len(ctrl.probe)):
@@ -472,7 +458,7 @@ def test_a_step_observed_after_the_next_decision_is_judged_by_its_own_decision()
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, len(ctrl.probe) - 1)  # the probe's last, late
     assert ctrl.guard.summary() == {}
     ctrl.observe_step(StepShape.of(1, 0, 0, PAR), 0.004, 1, None, len(ctrl.probe))
-    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1, "chunk_ms_per_tok": 0.0}}}
+    assert ctrl.guard.summary() == {"1": {"plain": {"tok_per_req_s": 250.0, "steps": 1}}}
 
 
 def test_prepare_makes_the_next_decisions_fit_and_solve_ahead_without_changing_it():
@@ -534,31 +520,6 @@ def test_a_new_wave_of_prompts_drafts_nothing_where_plain_decoding_wins():
     assert rnd.draft_depth_for(16, 8) == 8  # the random schedules of the exactness tests draw on
 
 
-def test_a_regimes_first_steps_after_a_switch_do_not_count():
-    """Plain steps right after speculative ones run slow for a few steps (on a 2-CPU machine the
-    lossless engine's at 16 in flight took 10.4, 9.7, 9.7, 9.6, 9.5, 9.2 ms, its plain regime's
-    8.1-8.8): a plain block amid speculation read plain decoding 12-15% slow, and a load at 8 in
-    flight speculated at 0.90x AR. Either regime's first SETTLE_STEPS steps after a switch do not
-    count towards its rate (they do towards the time a retry or a block takes)."""
-    ctrl = _past_probe(DepthController(4, PAR), ["a"])
-    spec, plain = StepShape.of(1, 4, 4, PAR, spec_requests=1), StepShape.of(1, 0, 0, PAR)
-    for _ in range(20):
-        ctrl.observe_step(spec, 0.010, 4)  # 400 per request-second (a load's first steps do not count)
-    assert ctrl.guard.rate(1, speculative=True) == pytest.approx(400)
-    for _ in range(SETTLE_STEPS):
-        ctrl.observe_step(plain, 0.010, 1)  # settling: 100 per request-second
-    assert not ctrl.guard.knows(1, speculative=False)
-    for _ in range(4):
-        ctrl.observe_step(plain, 0.004, 1)
-    assert ctrl.guard.rate(1, speculative=False) == pytest.approx(250)
-    for _ in range(SETTLE_STEPS):
-        ctrl.observe_step(spec, 0.050, 4)  # back to speculation: settling
-    ctrl.observe_step(spec, 0.010, 4)
-    assert ctrl.guard.rate(1, speculative=True) == pytest.approx(400)
-    # (the first 20: a switch into speculation, and the load's first speculative steps)
-    assert ctrl.guard.summary()["1"]["speculative"]["steps"] == 20 - max(SETTLE_STEPS, ctrl.guard.min_steps) + 1
-
-
 def test_a_step_of_prompts_only_is_judged_at_the_last_decoding_load():
     """Between two waves the next wave's first prompt can arrive alone: a step that only admits it
     is judged at the load the engine was decoding at (where plain decoding wins: no drafts, which
@@ -607,77 +568,61 @@ def test_guard_rates_are_per_request_so_loads_in_one_bucket_compare_fairly():
     assert guard.bucket(9) == guard.bucket(15) and guard.plain_faster(12)
 
 
-def test_guard_prices_prompt_chunks_alike_in_both_regimes():
-    """Each regime's rate is its decoding (prompt rows out at the cost fit's price) plus its own
-    long-run prompt-chunk time per committed token: a plain regime's waves of prompts (some in
-    steps that only admit prompts) and speculation's one-by-one admissions are both charged. Which
-    recent steps carried a chunk is chance: the chunk cost is a long-run average, so a rate does
-    not swing with it. Steady speculation that decodes faster but admits its prompts dearly loses."""
+def test_guard_charges_speculation_its_steps_and_prompt_chunks_but_not_plain_decoding():
+    """The speculative regime's steady steps (verify and draft) beat plain ones, but its steps that
+    only draft and those with a prompt chunk make it slower overall: the guard sees the whole
+    regime, and the controller decodes that load plainly (speculating requests finish out of step,
+    so prompts are admitted one by one, each chunk in a step of its own). Which plain steps carry
+    chunks is partly chance (they cluster where waves change, and a plain engine admits whole
+    waves): the guard takes their rows out at the cost fit's price, so plain steps that carry
+    chunks do not make plain decoding look slower."""
+    ctrl = DepthController(8, PAR, explore_every=1000)
+    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
+    many = [f"r{i}" for i in range(16)]
+    _feed(ctrl, cost, 0.9, 30, many)  # the cost fit says: speculate (and a prompt row costs 0.1 ms)
+    assert ctrl.decide(many).draft_depth > 0
+    steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
+    draft_only = StepShape.of(16, 0, 2, PAR)
+    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=50, spec_requests=15)
+    plain = StepShape.of(16, 0, 0, PAR)
+    plain_prefill = StepShape.of(16, 0, 0, PAR, extra_rows=150)
+    for _ in range(30):  # (the simulated steps before fade from the estimates)
+        ctrl.observe_step(plain, 0.009, 16)  # the first plain step after speculative ones (not counted)
+        ctrl.observe_step(plain_prefill, 0.023, 16)  # 8 ms of decoding and 15 of prompt rows: 125 per request-second
+        ctrl.observe_step(plain, 0.008, 16)
+        ctrl.observe_step(steady, 0.020, 48)  # 2400 tok/s: the steady steps alone would keep speculating
+        ctrl.observe_step(draft_only, 0.020, 16)
+        ctrl.observe_step(spec_prefill, 0.025, 46)  # 20 ms of decoding and 5 of prompt rows, all counted
+    assert ctrl.guard.rate(16, speculative=False) == pytest.approx(125, rel=0.05)  # charged, it would read 65
+    assert ctrl.guard.rate(16, speculative=True) == pytest.approx(110 / (0.065 * 16), rel=0.05)
+    assert ctrl.guard.plain_faster(16)
+    ctrl.guard.retry_budget = 0.5  # (a retry as soon as retry_every allows: the plain time is there)
+    plans = [ctrl.decide(many) for _ in range(33)]
+    assert all(p.draft_depth == 0 for p in plans[:32]) and plans[32].draft_depth > 0  # plain, then a retry
+
+
+def test_a_retry_takes_its_prompt_chunks_out_and_steady_speculation_keeps_them():
+    """A retry's few speculative steps follow a plain regime's waves, so they carry a whole wave's
+    prompts or none: like plain steps, they count without their prompt chunks (at the cost fit's
+    price). Steady speculation keeps its chunks (its requests finish out of step and admit
+    prompts one by one): the same step then counts whole."""
     ctrl = DepthController(8, PAR, explore_every=1000)
     cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
     many = [f"r{i}" for i in range(16)]
     _feed(ctrl, cost, 0.9, 30, many)
     ctrl.last_cost = cost  # (the fit in use prices a prompt row at 0.1 ms)
+    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=50, spec_requests=16)
     guard = ctrl.guard
     guard._sums.clear()
-    guard._chunks.clear()
-    plain, plain_chunk = StepShape.of(16, 0, 0, PAR), StepShape.of(16, 0, 0, PAR, extra_rows=150)
-    steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
-    spec_chunk = StepShape.of(16, 32, 2, PAR, extra_rows=100, spec_requests=16)
-    for _ in range(40):  # a plain wave: 6 plain steps, one with a chunk (15 ms of prompt rows), one of prompts only
-        for _ in range(6):
-            ctrl.observe_step(plain, 0.008, 16)
-        ctrl.observe_step(plain_chunk, 0.023, 16)
-        ctrl.observe_step(plain, 0.016, 16, prompts_only=True)  # 16 ms of prompts
-    for _ in range(40):  # speculation: 3 steady steps and one admitting prompts (10 ms of prompt rows)
-        for _ in range(3):
-            ctrl.observe_step(steady, 0.020, 48)
-        ctrl.observe_step(spec_chunk, 0.040, 48)
-    # plain: 8 ms a step for 16 tokens (125 per request-second), and (15 + 16) ms of prompts per
-    # 7 * 16 + 16 tokens, for 16 requests each; speculation: 20 ms a step for 48 tokens (30 in the
-    # step with a prompt) and 10 ms of prompts per 4 * 48 tokens
-    plain_chunks = 0.031 * 16 / (8 * 16)
-    spec_chunks = 0.010 * 16 / (4 * 48)
-    assert guard.chunk_cost(16, False) == pytest.approx(plain_chunks, rel=0.02)
-    assert guard.chunk_cost(16, True) == pytest.approx(spec_chunks, rel=0.02)
-    assert guard.rate(16, False) == pytest.approx(1 / (0.008 / 1 + plain_chunks), rel=0.02)
-    assert guard.rate(16, True) == pytest.approx(1 / ((3 * 0.020 + 0.030) * 16 / (4 * 48) + spec_chunks), rel=0.02)
-    # 120 against 84 per request-second (with the chunks left out of plain decoding only, as a
-    # plain engine's waves admit them: 120 against 125, and plain decoding would win)
-    assert guard.speculation_faster(16)
-    # speculation's steps that admit a prompt now take 70 ms (the fit prices their rows at 10): plain wins
-    for _ in range(600):
-        ctrl.observe_step(steady, 0.020, 48)
-        ctrl.observe_step(spec_chunk, 0.070, 48)
-    assert guard.plain_faster(16)
-
-
-def test_a_regime_without_its_own_chunk_history_borrows_the_other_ones():
-    """A retry's few steps carry a plain regime's prompts (a whole wave or none), a plain block's
-    those of speculation (one by one): neither feeds its regime's chunk cost. Until a regime has run
-    steadily for CHUNK_MIN_STEPS it is charged the other regime's (every request is prefilled once
-    in either): a retry compares like with like. Steps that only admit prompts feed no rate."""
-    guard = ThroughputGuard(min_steps=4)
-    for _ in range(200):  # a plain regime: 20 ms of prompts per 10 steps of 16 tokens at 8 ms
-        for _ in range(9):
-            guard.observe(16, False, 16, 0.008)
-        guard.observe(16, False, 16, 0.020, counted=False, prefill_seconds=0.020)  # prompts only
-    plain_chunks = 0.020 * 16 / (10 * 16)
-    assert guard.chunk_cost(16, False) == pytest.approx(plain_chunks, rel=0.01)
-    assert guard.rate(16, False) == pytest.approx(1 / (0.008 + plain_chunks), rel=0.01)
-    bucket = guard.bucket(16)
-    guard._retrying.add(bucket)
-    for _ in range(6):  # the retry's steps, one with a wave's prompts (40 ms of 50)
-        guard.observe(16, True, 48, 0.020)
-    guard.observe(16, True, 48, 0.050, prefill_seconds=0.040)
-    assert (bucket, True) not in guard._chunks
-    assert guard.chunk_cost(16, True) == pytest.approx(plain_chunks, rel=0.01)
-    decoding = (6 * 0.020 + 0.010) * 16 / (7 * 48)
-    assert guard.rate(16, True) == pytest.approx(1 / (decoding + plain_chunks), rel=0.01)
+    guard._retrying.add(guard.bucket(16))
+    for _ in range(6):
+        ctrl.observe_step(spec_prefill, 0.025, 48)  # 20 ms of decoding and 5 of prompt rows
+    assert guard.rate(16, speculative=True) == pytest.approx(48 / (0.020 * 16), rel=0.01)
+    guard._sums.clear()
     guard._retrying.clear()
-    guard._plain_block.add(bucket)
-    guard.observe(16, False, 16, 0.030, prefill_seconds=0.022)
-    assert guard.chunk_cost(16, False) == pytest.approx(plain_chunks, rel=0.01)  # (unchanged)
+    for _ in range(6):
+        ctrl.observe_step(spec_prefill, 0.025, 48)
+    assert guard.rate(16, speculative=True) == pytest.approx(48 / (0.025 * 16), rel=0.01)
 
 
 def test_controller_decodes_plainly_where_the_realized_rate_says_so():
@@ -700,7 +645,6 @@ def test_controller_decodes_plainly_where_the_realized_rate_says_so():
     assert plans[32].draft_depth > 0  # a retry: speculation measured again
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_step_summary_keeps_counts_current_and_refreshes_estimates_every_few_steps():
     """The summary every SchedulerOutput carries: decision counts exact at every step (a run's
     share is a difference of two of them), the estimates as of at most SUMMARY_EVERY steps ago."""
@@ -767,7 +711,6 @@ def test_a_plain_block_that_finds_the_two_rates_close_measures_on():
     assert steps == 4 and not guard.prefers_plain(8)
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_a_retry_speculates_where_the_fit_says_plain_and_ends_once_measured():
     """At a high load the cost fit rightly says plain decoding wins, so the solver decides depth 0;
     a retry must still speculate (every request verifies a draft), or it never measures
@@ -800,7 +743,6 @@ def test_a_retry_speculates_where_the_fit_says_plain_and_ends_once_measured():
     assert ctrl.guard.summary()["32"]["retries"] == 1
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_decisions_are_judged_and_observed_at_the_load_the_step_runs():
     """At a steady 9 in flight a finished request's successor is admitted in the next step, which
     decodes 8: judged at 8 (bucket 5-8, where speculation won) against 9 (bucket 9-16, where
@@ -935,7 +877,6 @@ def test_fitting_often_or_rarely_gives_the_same_cost():
     assert np.allclose(rarely.fit().coefficients(), fits[-1].coefficients(), rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.usefixtures("one_settle_step")
 def test_a_load_above_one_where_plain_decoding_won_decodes_plainly_unmeasured():
     """The more requests a step runs, the dearer its extra query rows: where plain decoding won at
     9-16 in flight, 17-32 decodes plainly from its first step without speculating to measure it

@@ -44,14 +44,6 @@ RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retry
 REFRESH_WITHIN = 0.15  # a load's plain rate is measured afresh while speculation is ahead by less than this
 CLOSE_WITHIN = 0.15  # a fresh measurement that finds the two rates this close goes on ...
 CLOSE_STEPS = 32  # ... until this many of its steps are counted (a few steps are too noisy to call it)
-# a regime's first steps after a switch do not count towards its rate: on a 2-CPU machine the
-# lossless engine's plain steps amid speculation at 16 in flight took 10.4, 9.7, 9.7, 9.6, 9.5, 9.2,
-# 9.3, 8.8 ms where its plain regime's took 8.1-8.8 (a plain block read plain decoding 12-15% slow)
-SETTLE_STEPS = 6
-# a regime's prompt chunks per committed token are a long-run average (a plain regime at 16 in flight
-# admits a wave of prompts every ~49 steps: ~10 waves in the estimate's memory) ...
-CHUNK_DECAY = 0.998
-CHUNK_MIN_STEPS = 128  # ... of its own once measured over this many steps (before: the other regime's)
 PLAIN_EXPLORE_SLOWER = 4  # explorations are this much rarer while the fitted plan decodes plainly
 PLAIN_REFIT_EVERY = 64  # steps between cost fits while the guard decodes plainly (it decides without them)
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
@@ -355,12 +347,9 @@ class ThroughputGuard:
     to 1, 2, 4, 8, ...), the committed tokens per request-second the engine *realized* in its
     plain regime and in its speculative regime (exponentially weighted sums of tokens and of
     seconds times requests: per request, so that steps at 9 and at 15 running requests compare
-    fairly). The speculative regime's steps that only draft or only verify are part of what
-    speculating costs; which steps count is `DepthController.observe_step`'s choice. Prompt chunks
-    are priced the same way in both regimes: a regime's rate is its recent decoding (chunks taken
-    out at the cost fit's price) plus its long-run prompt-chunk time per committed token
-    (`chunk_cost`), measured where the regime runs steadily. Plain decoding is measured in blocks
-    (`plain_block`).
+    fairly). The speculative regime's steps that only draft or only verify, and its steps with a
+    prefill chunk, are part of what speculating costs; which steps count is
+    `DepthController.observe_step`'s choice. Plain decoding is measured in blocks (`plain_block`).
     Unless speculation has been faster by more than `margin` (`prefers_plain`: a tie, or a lower
     load's verdict where this one measured only one regime, goes to plain decoding), `plain_wins`
     tells the controller to decode plainly, but for a *retry* now and then: the speculative estimate of the
@@ -387,8 +376,6 @@ class ThroughputGuard:
         self.decay, self.margin, self.min_steps = decay, margin, min_steps
         self.retry_every, self.retry_budget = retry_every, retry_budget
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
-        # (bucket, speculative) -> [tokens, request-seconds of prompt chunks, steps], long-run (CHUNK_DECAY)
-        self._chunks: dict[tuple[int, bool], list[float]] = {}
         self._forced: Counter = Counter()  # bucket -> plain decisions since its last retry
         self._plain_seconds: Counter = Counter()  # bucket -> seconds of plain steps since its last retry
         self._retry_seconds: Counter = Counter()  # bucket -> seconds its last (or current) retry took
@@ -418,10 +405,9 @@ class ThroughputGuard:
     def observe(self, num_requests: int, speculative: bool, committed: int, seconds: float,
                 counted: bool = True, load: int | None = None, prefill_seconds: float = 0.0) -> None:
         """A step of `num_requests` requests: its time always counts towards the retry budget; its
-        prompt chunks (`prefill_seconds`, all of a step that only admits prompts) towards the
-        regime's chunk cost where the regime runs steadily (`chunk_cost`); its decoding rate only
-        if `counted`, without the chunks and only if time is left once they are out. `load`: the
-        load it was decided at, whose bucket it feeds (default `num_requests`)."""
+        rate only if `counted`, without `prefill_seconds` (what its prompt chunks cost, where the
+        caller charges them to neither regime) and only if time is left once they are out.
+        `load`: the load it was decided at, whose bucket it feeds (default `num_requests`)."""
         if seconds <= 0 or num_requests <= 0:
             return
         bucket = self.bucket(load or num_requests)
@@ -433,15 +419,6 @@ class ThroughputGuard:
             self._spec_seconds[bucket] += seconds
         else:
             self._plain_seconds[bucket] += seconds
-        if bucket not in (self._retrying if speculative else self._plain_block):
-            # (a retry's or a plain block's few steps carry the other regime's prompts: after a
-            # plain regime's waves a whole wave or none, amid speculation's out-of-step finishes one
-            # by one; neither tells what the regime's own admissions cost)
-            chunks = self._chunks.setdefault((bucket, speculative), [0.0, 0.0, 0])
-            chunks[0] = CHUNK_DECAY * chunks[0] + committed
-            chunks[1] = CHUNK_DECAY * chunks[1] + min(prefill_seconds, seconds) * num_requests
-            chunks[2] += 1
-            self._memo.clear()
         if speculative and counted:  # (the retry budget's unit: a whole step, prompt chunks and all)
             last = self._spec_step_seconds.get(bucket, seconds)
             self._spec_step_seconds[bucket] = self.decay * last + (1 - self.decay) * seconds
@@ -455,34 +432,13 @@ class ThroughputGuard:
         sums[2] += 1
 
     def rate(self, num_requests: int, speculative: bool) -> float | None:
-        """Realized committed tokens per request-second at this load, prompt chunks included
-        (`chunk_cost`), or None before `min_steps` counted steps."""
+        """Realized committed tokens per request-second at this load, or None before `min_steps`
+        steps."""
         return self._rate_at(self.bucket(num_requests), speculative)
 
     def _rate_at(self, bucket: int, speculative: bool) -> float | None:
         sums = self._sums.get((bucket, speculative))
-        if sums is None or sums[2] < self.min_steps:
-            return None
-        return 0.0 if sums[0] <= 0 else 1.0 / (sums[1] / sums[0] + self._chunk_cost(bucket, speculative))
-
-    def chunk_cost(self, num_requests: int, speculative: bool) -> float:
-        """Request-seconds of prompt chunks per committed token at this load in the regime: its own
-        long-run average once `CHUNK_MIN_STEPS` steady steps measured it, else the other regime's
-        if that one's is measured, else both pooled (0 before any). Every request is prefilled once
-        in either regime; what differs is how (a plain regime admits whole waves, often in a step
-        of their own; speculation's requests finish out of step, each admitted into a step that
-        carries the whole batch) and the price (mode `sd`'s draft model reads the prompt too). A
-        regime's recent steps cannot say it: which of them carried a wave is chance (at 16 in
-        flight the cost fit priced plain steps' chunks at ~16% of plain decoding's time; left out of
-        the plain rate but kept in speculation's, speculation had to be ~16-20% faster to win)."""
-        return self._chunk_cost(self.bucket(num_requests), speculative)
-
-    def _chunk_cost(self, bucket: int, speculative: bool) -> float:
-        none = (0.0, 0.0, 0)
-        mine, theirs = (self._chunks.get((bucket, s), none) for s in (speculative, not speculative))
-        if mine[2] < CHUNK_MIN_STEPS:
-            mine = theirs if theirs[2] >= CHUNK_MIN_STEPS else (mine[0] + theirs[0], mine[1] + theirs[1], 0)
-        return mine[1] / mine[0] if mine[0] > 0 else 0.0
+        return sums[0] / sums[1] if sums is not None and sums[2] >= self.min_steps else None
 
     def _lead(self, bucket: int, speculative: bool, margin: float) -> bool | None:
         """Whether `speculative`'s rate at the bucket is the faster by more than `margin` (None:
@@ -634,12 +590,8 @@ class ThroughputGuard:
         out = {}
         for (bucket, speculative), (tokens, seconds, steps) in sorted(self._sums.items()):
             entry = out.setdefault(str(2 ** bucket), {})  # a bucket by its largest load
-            chunk = self._chunk_cost(bucket, speculative)
-            rate = 0.0 if tokens <= 0 else 1.0 / (seconds / tokens + chunk)
-            entry["speculative" if speculative else "plain"] = {
-                "tok_per_req_s": round(rate, 1), "steps": steps,
-                # request-ms of prompt chunks per committed token (in the rate)
-                "chunk_ms_per_tok": round(1000 * chunk, 3)}
+            entry["speculative" if speculative else "plain"] = {"tok_per_req_s": round(tokens / seconds, 1),
+                                                                "steps": steps}
             if self._retries[bucket]:
                 entry["retries"] = self._retries[bucket]
                 entry["retry_ms"] = round(1000 * self._retry_seconds[bucket], 1)  # the last one's time
@@ -696,9 +648,6 @@ class DepthController:
         self.last_cost: StepCost | None = None  # the fit the measured decisions use
         self._last_draft_depth = self.choices[-1]
         self._observed_draft_depth = 0  # the draft depth of the last step observed
-        self._regime_steps = 1 << 30  # decoding steps observed since the regime last switched (none yet: settled)
-        self._last_regime = False  # whether the last decoding step observed was speculative
-        self.settle_steps = SETTLE_STEPS
         self._first_steps: Counter = Counter()  # guard bucket -> speculative steps observed there
         self._cached: tuple = (((), False), {}, 0)  # ((ids, guard speculates), depths, D) of the last solve
         self._rng = random.Random(seed)
@@ -898,22 +847,22 @@ class DepthController:
         return decision
 
     def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None,
-                     load: int | None = None, step: int | None = None, prompts_only: bool = False) -> None:
+                     load: int | None = None, step: int | None = None) -> None:
         """A step's shape and duration (the cost fit); with `committed` (tokens the step
         committed) also the throughput guard, in the step's regime: plain if it verified and
         drafted nothing, else speculative. Every step of a regime counts: a step that only drafts
         pays for tokens the next step commits and one that only verifies commits what the last
-        one paid for. Its prompt chunks (at the cost fit's price), and the whole of a step that
-        only admits prompts (``prompts_only``: no request decoded in it), go to the regime's
-        long-run chunk cost (``ThroughputGuard.chunk_cost``), the rest to its decoding rate. Left
-        out of the decoding rate: the start-up probe's steps; a load's first speculative steps
-        (new shapes, whose first passes are slow on a CPU); the switches between regimes (a step
-        that drafts with nothing to verify, and the first plain step after speculative ones, ~5%
-        dearer than the next) (docs/METHODS.md §9). `load`: the load the step was decided at
-        (``Decision.load``), whose bucket of the guard the step feeds (default: its requests).
-        `step`: the index of the decision it ran (``steps - 1`` right after its ``decide``; the
-        default: the last decision), for an engine that observes a step only once the next one is
-        decided."""
+        one paid for; a speculative step keeps its prompt chunk (requests finish out of step, and
+        each finish admits a prompt into a step of its own that carries the whole batch, where
+        plain decoding admits a finished wave together), a plain step's is taken out at the cost
+        fit's price. Left out of the guard: the start-up probe's steps; a load's first
+        speculative steps (new shapes, whose first passes are slow on a CPU); the switches between
+        regimes (a step that drafts with nothing to verify, and the first plain step after
+        speculative ones, ~5% dearer than the next) (docs/METHODS.md §9). `load`: the load the
+        step was decided at (``decide``), whose bucket of the guard the step feeds (default: its
+        requests). `step`: the index of the decision it ran (``steps - 1`` right after its
+        ``decide``; the default: the last decision), for an engine that observes a step only
+        once the next one is decided."""
         self.costs.update(shape, seconds)
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
         # a switch: into speculation, a step that drafts with nothing to verify; out of it, the
@@ -922,14 +871,8 @@ class DepthController:
         self._observed_draft_depth = shape.draft_depth
         if committed is None:
             return
-        if prompts_only:
-            self.guard.observe(shape.requests, speculative, committed, seconds, counted=False, load=load,
-                               prefill_seconds=seconds)
-            return
         decided = self.steps - 1 if step is None else step
-        self._regime_steps = 1 if switch or speculative != self._last_regime else self._regime_steps + 1
-        self._last_regime = speculative
-        skip = self._regime_steps <= self.settle_steps or decided < len(self.probe) and self.policy == "measured"
+        skip = switch or decided < len(self.probe) and self.policy == "measured"
         if speculative:
             # a load's first speculative steps (the start-up probe's and switches included) run new
             # shapes, whose first passes are slow on a CPU (at 2 in flight they once kept a load
@@ -937,8 +880,18 @@ class DepthController:
             bucket = self.guard.bucket(load or shape.requests)
             skip = skip or self._first_steps[bucket] < self.guard.min_steps
             self._first_steps[bucket] += 1
+        # a plain step's prompt chunks are charged to neither regime: which plain steps carry them is
+        # partly chance (they cluster where waves change), and a plain engine admits whole waves;
+        # speculation keeps its own: its requests finish out of step, so it admits prompts one by
+        # one, each chunk in a step of its own (charged to neither, speculation read 99.7 tokens
+        # per request-second at 16 in flight against plain blocks' 87.1, and realized 0.79x AR).
+        # But not in a retry: its few steps follow a plain regime's waves, so they carry a whole
+        # wave's prompts or none (mode `sd` at 8 in flight: a 5-step retry read 87.5 tokens per
+        # request-second against plain decoding's 140, where fixed-depth SD realized 1.09x AR);
+        # whether speculation then keeps up is for its steady steps, prompt chunks and all, to say
+        chunk_free = not speculative or self.guard.retrying(load or shape.requests)
         self.guard.observe(shape.requests, speculative, committed, seconds, counted=not skip, load=load,
-                           prefill_seconds=self._prefill_seconds(shape))
+                           prefill_seconds=self._prefill_seconds(shape) if chunk_free else 0.0)
 
     def _prefill_seconds(self, shape: StepShape) -> float:
         """What the step's prompt chunks cost, as the cost fit has it: the step's predicted cost

@@ -97,7 +97,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
         self._plan = None
         self._step_start = 0.0
-        self._pending = None  # (shape, committed, prompts only, load, decision, start, end) of the last step, until observed
+        self._pending = None  # (shape, committed, load, decision, start, end) of the last step, until observed
         self._pending_end: float | None = None  # where its cycle ended (the next step's start), once known
         self._load, self._decided = 0, -1  # the load the step was decided at, and its decision's index
         self._last_log = time.monotonic()
@@ -192,14 +192,16 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             extra_rows = total - requests - num_spec  # prefill chunks
             shape = StepShape.of(requests, num_spec, scheduler_output.num_spec_tokens_to_schedule, self.depth.kind,
                                  extra_rows=extra_rows, spec_requests=sum(1 for d in spec.values() if d))
-            # what the step committed feeds the throughput guard (one entry per scheduled request, as
-            # req_id_to_index); a step that only admits prompts, as prompt-chunk time of its regime
-            committed = sum(map(len, sampled)) if sampled else None
+            committed = None
+            if sampled and self._plan.depths:
+                # what a step with decoding requests committed feeds the throughput guard (prefill
+                # chunks riding along included); a step that only prefills (a prompt admitted to an
+                # idle engine) costs the same in either regime and feeds only the cost fit
+                committed = sum(map(len, sampled))  # (one entry per scheduled request, as req_id_to_index)
             # observed while the next step runs (its cycle, to the next step's start, includes the
             # engine's draft fetch and its loop between steps); the last step before the engine
             # idles ends here
-            self._pending = (shape, committed, not self._plan.depths, self._load, self._decided, self._step_start,
-                             time.perf_counter())
+            self._pending = (shape, committed, self._load, self._decided, self._step_start, time.perf_counter())
             if not self.get_num_unfinished_requests():
                 self._observe_pending(self._pending[-1])
         self._plan = None
@@ -210,9 +212,9 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         """Feed the last step to the controller: its cycle, from the start of its ``schedule`` to
         ``end`` (the next step's start, or the end of its ``update_from_output`` when the engine
         idles after it)."""
-        shape, committed, prompts_only, load, decided, step_start, step_end = self._pending
+        shape, committed, load, decided, step_start, step_end = self._pending
         self._pending = self._pending_end = None
-        self.depth.observe_step(shape, end - step_start, committed, load, step=decided, prompts_only=prompts_only)
+        self.depth.observe_step(shape, end - step_start, committed, load, step=decided)
         if end > step_end:  # (a step before the engine idles has no gap to measure)
             gap_ms, last = 1000 * (end - step_end), self._loop_gap_ms
             self._loop_gap_ms = gap_ms if last is None else 0.99 * last + 0.01 * gap_ms

@@ -40,7 +40,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation
+RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation ...
+RETRY_LOSS_BUDGET = 0.01  # ... and at most this share of its throughput (a retry's time times speculation's shortfall)
+MARGIN = 0.05  # speculation must be realized faster than plain decoding by more than this to be chosen
+PLAIN_SETTLE_STEPS = 6  # plain steps right after speculative ones that no plain rate counts (they run slow)
 REFRESH_WITHIN = 0.15  # a load's plain rate is measured afresh while speculation is ahead by less than this
 CLOSE_WITHIN = 0.15  # a fresh measurement that finds the two rates this close goes on ...
 CLOSE_STEPS = 32  # ... until this many of its steps are counted (a few steps are too noisy to call it)
@@ -362,19 +365,23 @@ class ThroughputGuard:
 
     A retry is due after `retry_every` plain decisions *and* once the plain regime has run
     `1 / retry_budget - 1` times as long as the last retry took, so retries take at most
-    `retry_budget` of the time wherever plain decoding wins. At a high load a speculative step
+    `retry_budget` of the time wherever plain decoding wins; and where the last retry found
+    speculation short of plain decoding by a share `s`, once it has run `s / retry_loss_budget`
+    times as long, so retries give up at most `retry_loss_budget` of the throughput. At a high load a speculative step
     costs several plain ones and so does a retry: there they are rare. Where they are cheap they
     come often, so a change of load or of the machine is noticed soon. A retry that puts
     speculation ahead ends the plain regime. A cost model that misjudges the engine (a per-step
     cost it has no term for) thus cannot keep a load slower than plain decoding for long, nor a
     bad first impression keep it from speculating."""
 
-    def __init__(self, decay: float = 0.95, margin: float = 0.02, min_steps: int = 4, retry_every: int = 32,
-                 retry_budget: float = RETRY_BUDGET) -> None:
+    def __init__(self, decay: float = 0.95, margin: float = MARGIN, min_steps: int = 4, retry_every: int = 32,
+                 retry_budget: float = RETRY_BUDGET, retry_loss_budget: float = RETRY_LOSS_BUDGET) -> None:
         if not 0 < retry_budget < 1:
             raise ValueError(f"retry_budget must be in (0, 1), got {retry_budget}")
         self.decay, self.margin, self.min_steps = decay, margin, min_steps
-        self.retry_every, self.retry_budget = retry_every, retry_budget
+        if not 0 < retry_loss_budget < 1:
+            raise ValueError(f"retry_loss_budget must be in (0, 1), got {retry_loss_budget}")
+        self.retry_every, self.retry_budget, self.retry_loss_budget = retry_every, retry_budget, retry_loss_budget
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
         self._forced: Counter = Counter()  # bucket -> plain decisions since its last retry
         self._plain_seconds: Counter = Counter()  # bucket -> seconds of plain steps since its last retry
@@ -382,6 +389,7 @@ class ThroughputGuard:
         self._spec_step_seconds: dict[int, float] = {}  # bucket -> a speculative step's seconds (running mean)
         self._retrying: set[int] = set()  # buckets measuring speculation afresh
         self._retries: Counter = Counter()  # bucket -> retries so far
+        self._shortfall: dict[int, float] = {}  # bucket -> 1 - speculative / plain rate when its last retry ended
         self._verdicts: dict[int, bool] = {}  # bucket -> plain preferred when both rates were last measured
         self._plain_block: set[int] = set()  # buckets measuring plain decoding afresh
         self._block_seconds: Counter = Counter()  # bucket -> seconds its last (or current) plain block took
@@ -500,8 +508,8 @@ class ThroughputGuard:
         block took (and `retry_every` decisions; at a low load a plain step costs the gap to a
         speculative one and a switch, so where speculation is far ahead no block is worth it). A
         block runs until `min_steps` of its plain steps are counted (`CLOSE_STEPS` in a close
-        call, `_settled`; the first one, right after speculative steps, pays for the switch and
-        is not: `DepthController.observe_step`), so the rate speculation is compared with is
+        call, `_settled`; its first `PLAIN_SETTLE_STEPS`, right after speculative steps, run slow
+        and are not: `DepthController.observe_step`), so the rate speculation is compared with is
         neither stale nor that of isolated steps amid speculation."""
         bucket = self.bucket(num_requests)
         if bucket in self._plain_block:
@@ -562,6 +570,8 @@ class ThroughputGuard:
             self._retrying.discard(bucket)
             if self.prefers_plain(num_requests):  # plain still ahead: back to plain, the budget restarts
                 self._forced[bucket], self._plain_seconds[bucket] = 1, 0.0
+                spec, plain = self._rate_at(bucket, True), self._rate_at(bucket, False)
+                self._shortfall[bucket] = min(1.0, max(0.0, 1 - spec / plain)) if spec and plain else 0.0
                 return True
         if not self.prefers_plain(num_requests):
             self._forced[bucket], self._plain_seconds[bucket] = 0, 0.0
@@ -576,7 +586,10 @@ class ThroughputGuard:
         if step is None and self.spec_step_prior is not None:
             step = self.spec_step_prior(num_requests)
         expected = max(self._retry_seconds[bucket], self.min_steps * (step or 0.0))
-        wait = expected * (1 / self.retry_budget - 1)
+        # its time's share of the plain regime's, and the throughput it gives up (where the last
+        # retry found speculation far behind, e.g. lossless at 32 in flight at ~0.63x, a retry every
+        # 19 of its lengths cost ~2% of the regime's throughput; now ~1%)
+        wait = expected * max(1 / self.retry_budget - 1, self._shortfall.get(bucket, 0.0) / self.retry_loss_budget)
         if self._forced[bucket] <= self.retry_every or self._plain_seconds[bucket] < wait:
             return True
         self._sums.pop((bucket, True), None)  # a retry: forget speculation's rate, measure it again
@@ -656,6 +669,7 @@ class DepthController:
         self._fit_bucket = -1  # the guard's load bucket at the last fit of a solved decision
         self._fresh: dict = {}  # (load, fit, guard speculates) -> a prefill-only step's draft depth
         self._decoding_load = 0  # the load of the last decision with decoding requests
+        self._plain_run = PLAIN_SETTLE_STEPS  # plain steps observed since the last speculative one (settled)
 
     def decide(self, request_ids: list, pinned=frozenset(), load: int | None = None) -> Decision:
         """Depths for the decoding ``request_ids``. ``load``: the requests the step will run
@@ -857,22 +871,28 @@ class DepthController:
         plain decoding admits a finished wave together), a plain step's is taken out at the cost
         fit's price. Left out of the guard: the start-up probe's steps; a load's first
         speculative steps (new shapes, whose first passes are slow on a CPU); the switches between
-        regimes (a step that drafts with nothing to verify, and the first plain step after
-        speculative ones, ~5% dearer than the next) (docs/METHODS.md §9). `load`: the load the
+        regimes (a step that drafts with nothing to verify); the first `PLAIN_SETTLE_STEPS` plain
+        steps after speculative ones: at 16 in flight on the CPU they ran 10.4, 9.7, 9.7, 9.6, 9.5,
+        9.2 ms against the plain regime's 8.1-8.8 (caches and kernels warmed for the speculative
+        shapes), so a plain block amid speculation, which a decision compares with the
+        speculative regime's steady rate, would read plain decoding 10-15% slow
+        (docs/METHODS.md §9). `load`: the load the
         step was decided at (``decide``), whose bucket of the guard the step feeds (default: its
         requests). `step`: the index of the decision it ran (``steps - 1`` right after its
         ``decide``; the default: the last decision), for an engine that observes a step only
         once the next one is decided."""
         self.costs.update(shape, seconds)
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
-        # a switch: into speculation, a step that drafts with nothing to verify; out of it, the
-        # first plain step (~5% dearer than the next ones on a CPU)
+        # a switch into speculation: a step that drafts with nothing to verify (out of it: the
+        # plain steps that settle)
         switch = speculative != (self._observed_draft_depth > 0) and shape.spec_requests == 0
         self._observed_draft_depth = shape.draft_depth
+        self._plain_run = 0 if speculative else self._plain_run + 1
         if committed is None:
             return
         decided = self.steps - 1 if step is None else step
-        skip = switch or decided < len(self.probe) and self.policy == "measured"
+        settling = not speculative and self._plain_run <= PLAIN_SETTLE_STEPS
+        skip = switch or settling or decided < len(self.probe) and self.policy == "measured"
         if speculative:
             # a load's first speculative steps (the start-up probe's and switches included) run new
             # shapes, whose first passes are slow on a CPU (at 2 in flight they once kept a load

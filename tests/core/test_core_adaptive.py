@@ -817,8 +817,9 @@ def test_the_guard_overrules_a_fit_that_says_plain_where_speculation_was_faster(
 
 def test_a_tie_goes_to_plain_decoding():
     """Speculation must be realized faster by more than the margin to be chosen: within it the load
-    decodes plainly (the rates carry errors of several per cent; what speculating costs beyond its steps, requests finishing out of step and
-    prompts admitted one by one, falls on its side), though the cost fit says speculate."""
+    decodes plainly (the rates carry errors of several per cent; what speculating costs beyond its
+    steps, requests finishing out of step and prompts admitted one by one, falls on its side),
+    though the cost fit says speculate."""
     ctrl = _feed(DepthController(4, PAR, explore_every=1000), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 30,
                  ["a", "b"])
     for _ in range(200):  # (the simulated steps before fade from the estimates)

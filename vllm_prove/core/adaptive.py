@@ -47,7 +47,6 @@ PLAIN_SETTLE_STEPS = 6  # plain steps right after speculative ones that no plain
 REFRESH_WITHIN = 0.15  # a load's plain rate is measured afresh while speculation is ahead by less than this
 CLOSE_WITHIN = 0.15  # a fresh measurement that finds the two rates this close goes on ...
 CLOSE_STEPS = 32  # ... until this many of its steps are counted (a few steps are too noisy to call it)
-PLAIN_EXPLORE_SLOWER = 4  # explorations are this much rarer while the fitted plan decodes plainly
 PLAIN_REFIT_EVERY = 64  # steps between cost fits while the guard decodes plainly (it decides without them)
 SUMMARY_EVERY = 16  # steps between refreshes of the estimates in DepthController.step_summary
 MAX_DINKELBACH_ITERS = 50  # the rate converges in < 10 iterations in practice; this bounds a bug
@@ -592,12 +591,22 @@ class ThroughputGuard:
         wait = expected * max(1 / self.retry_budget - 1, self._shortfall.get(bucket, 0.0) / self.retry_loss_budget)
         if self._forced[bucket] <= self.retry_every or self._plain_seconds[bucket] < wait:
             return True
-        self._sums.pop((bucket, True), None)  # a retry: forget speculation's rate, measure it again
+        self._retries[bucket] += 1
+        self.measure_speculation(num_requests)  # a retry: forget speculation's rate, measure it again
+        return False
+
+    def measure_speculation(self, num_requests: int) -> None:
+        """Measure speculation at this load afresh, as a retry does (its rate forgotten; the
+        controller speculates until `_settled`): a retry, and a load's first measurement, which
+        its steps must not judge with a plain regime's wave of prompts that one of them happens
+        to admit (the bench's `sd` engine at 8 in flight, measured right after its first block of
+        plain steps, read speculation slower and decoded plainly where vLLM's fixed depth realized
+        1.17x AR)."""
+        bucket = self.bucket(num_requests)
+        self._sums.pop((bucket, True), None)
         self._memo.clear()
         self._retrying.add(bucket)
-        self._retries[bucket] += 1
         self._retry_seconds[bucket] = 0.0
-        return False
 
     def summary(self) -> dict:
         out = {}
@@ -630,8 +639,7 @@ class DepthController:
     decides anything (the start-up probe). Afterwards one step in ``explore_every`` tries a
     neighbouring draft depth (plain decoding is the throughput guard's to measure, in blocks), so
     the fit keeps seeing more than the one step shape it would otherwise choose forever, at the
-    price of one slightly-off step in 32 (``PLAIN_EXPLORE_SLOWER`` times rarer while the plan is
-    plain: the next step drops its drafts).
+    price of one slightly-off step in 32.
     The fit, and with it the choice for an unchanged set of requests, is refreshed every
     ``refit_every`` steps (one engine step must not wait for either).
     ``policy="random"`` draws every depth at random (the exactness tests' schedule driver);
@@ -666,7 +674,6 @@ class DepthController:
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
         self._fit_step = 0  # the step of the last fit
-        self._fit_bucket = -1  # the guard's load bucket at the last fit of a solved decision
         self._fresh: dict = {}  # (load, fit, guard speculates) -> a prefill-only step's draft depth
         self._decoding_load = 0  # the load of the last decision with decoding requests
         self._plain_run = PLAIN_SETTLE_STEPS  # plain steps observed since the last speculative one (settled)
@@ -714,7 +721,7 @@ class DepthController:
         if self.guard.plain_block(load):  # the guard measures plain decoding here (afresh)
             self._refit(step, PLAIN_REFIT_EVERY)
             return Decision(dict.fromkeys(request_ids, 0), 0, True)
-        if step % self._explore_every() == 0 and not self.guard.prefers_plain(load) \
+        if step % self.explore_every == 0 and not self.guard.prefers_plain(load) \
                 and not self.guard.retrying(load):
             # (where plain decoding has been faster, the guard's retries explore instead)
             i = self.choices.index(self._last_draft_depth)
@@ -724,36 +731,19 @@ class DepthController:
             if near - {self._last_draft_depth}:
                 d = self._rng.choice(sorted(near - {self._last_draft_depth}))
                 return Decision({r: d for r in request_ids}, d, True)
+        if not self.guard.knows(load, speculative=True) and not self.guard.prefers_plain(load) \
+                and not self.guard.retrying(load):
+            self.guard.measure_speculation(load)  # (plain decoding measured: speculation's turn)
         if self.guard.plain_wins(load):  # realized: plain decoding is faster here (no solve)
             self._last_draft_depth = 0  # the plan in force is plain (explorations, a prefill-only step)
             self._refit(step, PLAIN_REFIT_EVERY)
             return Decision(dict.fromkeys(request_ids, 0), 0, False)
-        # a fitted plan that decodes plainly is refitted as rarely as the guard's plain regime while
-        # the load stays in its bucket: its own steps tell the fit nothing new about speculating,
-        # and at 32 in flight a fit and the solve after it every 8 steps took ~0.1 ms a step of the
-        # engine core (1.5% of a plain step); a new load gets a fresh fit at once
-        bucket = self.guard.bucket(load)
-        refit = self._refit(step, self._solver_refit_every(bucket))
-        if refit:
-            self._fit_bucket = bucket
-        self._solve_cached(request_ids, load, refit)
+        # (the fit's plan speculates: where it would decode plainly the guard speculates,
+        # ``_guard_speculates``, or has decided plain decoding above)
+        self._solve_cached(request_ids, load, self._refit(step, self.refit_every))
         _, depths, d = self._cached
         self._last_draft_depth = d
         return Decision(dict(depths), d, False)
-
-    def _explore_every(self) -> int:
-        # while the plan is plain, an exploration drafts for a step that drops the drafts (a whole
-        # wasted draft pass): it comes PLAIN_EXPLORE_SLOWER times less often
-        return self.explore_every * (1 if self._last_draft_depth else PLAIN_EXPLORE_SLOWER)
-
-    def _solver_refit_every(self, bucket: int) -> int:
-        """Steps between the solver's fits: a fitted plan that decodes plainly is refitted as
-        rarely as the guard's plain regime while the load stays in its bucket (its own steps tell
-        the fit nothing new about speculating, and at 32 in flight a fit and the solve after it
-        every 8 steps took ~0.1 ms a step of the engine core, 1.5% of a plain step); a new load
-        gets a fresh fit at once."""
-        plain_plan = self._cached[2] == 0 and not any(self._cached[1].values()) and bucket == self._fit_bucket
-        return PLAIN_REFIT_EVERY if plain_plan else self.refit_every
 
     def _solve_cached(self, request_ids: list, load: int, refit: bool) -> None:
         """The solver's plan for ``request_ids`` at ``load`` into ``_cached``: solved again after a
@@ -776,20 +766,29 @@ class DepthController:
             return
         if self.guard.prefers_plain(load) or self.guard.measuring_plain(load):
             return
-        step, bucket = self.steps, self.guard.bucket(load)  # (the next decision's index)
-        if step % self._explore_every() == 0:
+        step = self.steps  # (the next decision's index)
+        if step % self.explore_every == 0:
             return  # (it may explore: ``_decide``, which then fits a step later)
-        fresh = step - self._fit_step >= self._solver_refit_every(bucket)
+        fresh = step - self._fit_step >= self.refit_every
         if fresh:
-            self.last_cost, self._fit_step, self._fit_bucket = self.costs.fit(), step, bucket
+            self.last_cost, self._fit_step = self.costs.fit(), step
         self._solve_cached(request_ids, load, fresh)
 
     def _guard_speculates(self, load: int) -> bool:
         """Whether the guard has this load speculate whatever the fit says: a retry measures
         speculation (left to the solver, it could decide depth 0 for the whole retry, which then
-        never ends: steps that decode plainly do not measure speculation), or the engine realized
-        speculation faster here (a cost the fit has no term for)."""
-        return self.guard.retrying(load) or self.guard.speculation_faster(load)
+        never ends: steps that decode plainly do not measure speculation), the engine realized
+        speculation faster here (a cost the fit has no term for), or speculation has no realized
+        rate here yet. A plan the fit makes plain is checked like any other: a fit misled by the
+        slow first passes of new shapes (the start-up probe's; on a GPU, kernels compiled for
+        them) would otherwise decode such a load plainly for good, since nothing measures
+        speculation where nobody speculates (an in-process engine at 1 in flight in mode `sd`
+        fitted a draft-model request at 4.5 ms a step from its probe and decoded plainly at 0.73x
+        of the full depth's rate; the bench's `sd` engine at 8 in flight, met after 4, decoded
+        plainly where vLLM's fixed depth realized 1.22x AR). Where a lower load's measured
+        verdict is plain decoding (``ThroughputGuard.prefers_plain``) the guard decides first."""
+        guard = self.guard
+        return guard.retrying(load) or guard.speculation_faster(load) or not guard.knows(load, speculative=True)
 
     def _solve(self, rates: np.ndarray, speculate: bool) -> tuple[torch.Tensor, int]:
         """``choose_depths`` for requests with acceptance ``rates`` ([batch, >= max_depth]) under
@@ -799,7 +798,9 @@ class DepthController:
         that fit (mode `sd` at 8 in flight: a fit that priced a draft-model request at 2.3 ms a
         step retried at depth 1, read 0.9x plain decoding, and decoded plainly where vLLM's fixed
         depth 5 realized 1.05-1.09x AR). Where the fit speculates, its plan runs (and is what a
-        retry measures)."""
+        retry measures). Without ``speculate`` (the guard has measured speculation here and
+        decides plain decoding itself) the fit's plain plan stands: a step that only admits
+        prompts then drafts nothing (``_fresh_draft_depth``)."""
         expected = _expected_np(rates[:, : self.max_depth])
         allowed = np.broadcast_to(self._allowed_row, (len(expected), self.max_depth + 1))
         depths, d = choose_depths(expected, self.last_cost, self.kind, allowed)
@@ -811,8 +812,7 @@ class DepthController:
     def _refit(self, step: int, every: int) -> bool:
         """Fit the step costs afresh if the fit in use is ``every`` steps old (or there is none).
         Decisions the guard takes without a solve need the fit only to price their steps' prompt
-        chunks and a retry's steps, and a fitted plan that decodes plainly learns nothing new about
-        speculating from its own steps, so there a fit is made ``PLAIN_REFIT_EVERY`` steps apart:
+        chunks and a retry's steps, so there a fit is made ``PLAIN_REFIT_EVERY`` steps apart:
         in the engine a fit takes ~0.4 ms of the scheduler's time, 0.05 ms a step at 8 apart
         (0.8% of a plain step at 32 in flight on the CPU), and a new fit means a new solve."""
         if self.last_cost is not None and step - self._fit_step < every:

@@ -582,62 +582,53 @@ def test_guard_rates_are_per_request_so_loads_in_one_bucket_compare_fairly():
     assert guard.bucket(9) == guard.bucket(15) and guard.plain_faster(12)
 
 
-def test_guard_charges_speculation_its_steps_and_prompt_chunks_but_not_plain_decoding():
-    """The speculative regime's steady steps (verify and draft) beat plain ones, but its steps that
-    only draft and those with a prompt chunk make it slower overall: the guard sees the whole
-    regime, and the controller decodes that load plainly (speculating requests finish out of step,
-    so prompts are admitted one by one, each chunk in a step of its own). Which plain steps carry
-    chunks is partly chance (they cluster where waves change, and a plain engine admits whole
-    waves): the guard takes their rows out at the cost fit's price, so plain steps that carry
-    chunks do not make plain decoding look slower."""
-    ctrl = DepthController(8, PAR, explore_every=1000)
-    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
-    many = [f"r{i}" for i in range(16)]
-    _feed(ctrl, cost, 0.9, 60, many)  # the cost fit says: speculate (and a prompt row costs 0.1 ms)
-    assert ctrl.decide(many).draft_depth > 0 and not ctrl.guard.retrying(16)  # (its first measurement over)
-    steady = StepShape.of(16, 32, 2, PAR, spec_requests=16)
-    draft_only = StepShape.of(16, 0, 2, PAR)
-    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=50, spec_requests=15)
-    plain = StepShape.of(16, 0, 0, PAR)
-    plain_prefill = StepShape.of(16, 0, 0, PAR, extra_rows=150)
-    for _ in range(30):  # (the simulated steps before fade from the estimates)
-        for _ in range(PLAIN_SETTLE_STEPS):  # plain steps right after speculative ones (settling: not counted)
-            ctrl.observe_step(plain, 0.009, 16)
-        ctrl.observe_step(plain_prefill, 0.023, 16)  # 8 ms of decoding and 15 of prompt rows: 125 per request-second
-        ctrl.observe_step(plain, 0.008, 16)
-        ctrl.observe_step(steady, 0.020, 48)  # 2400 tok/s: the steady steps alone would keep speculating
-        ctrl.observe_step(draft_only, 0.020, 16)
-        ctrl.observe_step(spec_prefill, 0.025, 46)  # 20 ms of decoding and 5 of prompt rows, all counted
-    assert ctrl.guard.rate(16, speculative=False) == pytest.approx(125, rel=0.05)  # charged, it would read 65
-    assert ctrl.guard.rate(16, speculative=True) == pytest.approx(110 / (0.065 * 16), rel=0.05)
-    assert ctrl.guard.plain_faster(16)
-    ctrl.guard.retry_budget = 0.5  # (a retry as soon as retry_every allows: the plain time is there)
-    plans = [ctrl.decide(many) for _ in range(33)]
-    assert all(p.draft_depth == 0 for p in plans[:32]) and plans[32].draft_depth > 0  # plain, then a retry
+def _regimes_with_prompts(guard, spec_row_seconds: float, spec_decode_seconds: float = 0.020) -> None:
+    """16 in flight, 48 tokens a request, 100 prompt rows each. Plain decoding: 8 ms steps of 16
+    tokens, and every 48 steps a finished wave's 16 prompts admitted together, 40 ms more
+    (0.025 ms a row). Speculation: steps of 48 tokens, so a request finishes every step and its
+    successors' prompt rows ride along at `spec_row_seconds` a row, two prompts every other step."""
+    for _ in range(4):  # (steady steps first: a regime's steady step time is what its prompt rows are beyond)
+        guard.observe(16, False, 16, 0.008)
+        guard.observe(16, True, 48, spec_decode_seconds)
+    for _ in range(6):
+        for i in range(48):
+            rows = 1600 if i == 0 else 0
+            guard.observe(16, False, 16, 0.008 + rows * 0.000025, prefill_rows=rows)
+        for _ in range(8):
+            guard.observe(16, True, 48, spec_decode_seconds + 200 * spec_row_seconds, prefill_rows=200)
+            guard.observe(16, True, 48, spec_decode_seconds)
 
 
-def test_a_retry_takes_its_prompt_chunks_out_and_steady_speculation_keeps_them():
-    """A retry's few speculative steps follow a plain regime's waves, so they carry a whole wave's
-    prompts or none: like plain steps, they count without their prompt chunks (at the cost fit's
-    price). Steady speculation keeps its chunks (its requests finish out of step and admit
-    prompts one by one): the same step then counts whole."""
-    ctrl = DepthController(8, PAR, explore_every=1000)
-    cost = StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001)
-    many = [f"r{i}" for i in range(16)]
-    _feed(ctrl, cost, 0.9, 30, many)
-    ctrl.last_cost = cost  # (the fit in use prices a prompt row at 0.1 ms)
-    spec_prefill = StepShape.of(16, 32, 2, PAR, extra_rows=50, spec_requests=16)
-    guard = ctrl.guard
-    guard._sums.clear()
-    guard._retrying.add(guard.bucket(16))
-    for _ in range(6):
-        ctrl.observe_step(spec_prefill, 0.025, 48)  # 20 ms of decoding and 5 of prompt rows
-    assert guard.rate(16, speculative=True) == pytest.approx(48 / (0.020 * 16), rel=0.01)
-    guard._sums.clear()
-    guard._retrying.clear()
-    for _ in range(6):
-        ctrl.observe_step(spec_prefill, 0.025, 48)
-    assert guard.rate(16, speculative=True) == pytest.approx(48 / (0.025 * 16), rel=0.01)
+def test_guard_prices_prompt_rows_per_regime_over_the_long_run():
+    """Which steps carry prompt rows is partly chance (a plain regime admits a finished wave's
+    prompts together; speculating requests finish out of step and are replaced one by one, each
+    prompt in a step that carries the whole batch's drafts): a regime's rate is its decoding (a
+    step with prompt rows decodes in the regime's steady step time) plus, for every token, the
+    prompt rows the traffic brings with it (here 100 per 48 tokens) at the regime's own long-run
+    price of a row. Charged as they come, the plain rate would swing with each wave; charged to
+    speculation alone, speculation's lead in the second case below would read 7% (133 against
+    plain decoding's 125 tokens per request-second), not the 18% it realizes."""
+    rows_per_token = 100 / 48
+    plain = 1 / (0.008 + rows_per_token * 0.000025 * 16)  # tokens per request-second
+    guard = ThroughputGuard()
+    _regimes_with_prompts(guard, spec_row_seconds=0.000150)  # a prompt row costs speculation 6x
+    assert guard.rate(16, speculative=False) == pytest.approx(plain, rel=0.03)
+    spec = 1 / (0.020 * 16 / 48 + rows_per_token * 0.000150 * 16)
+    assert guard.rate(16, speculative=True) == pytest.approx(spec, rel=0.03) and spec < 0.9 * plain
+    assert guard.plain_faster(16)  # (speculation's decoding alone, 150 per request-second, is faster)
+    guard = ThroughputGuard()
+    _regimes_with_prompts(guard, spec_row_seconds=0.000025)  # the same price: speculation ahead by a sixth
+    spec = 1 / (0.020 * 16 / 48 + rows_per_token * 0.000025 * 16)
+    assert guard.rate(16, speculative=True) == pytest.approx(spec, rel=0.03) and spec > 1.15 * plain
+    assert guard.speculation_faster(16)
+    # a step that only admits prompts (nothing decoded) is all price; before a regime has a
+    # steady step, a step's prompt rows cost what the caller says (the cost fit's price)
+    guard = ThroughputGuard()
+    guard.observe(4, False, 0, 0.050, prefill_rows=400)
+    for _ in range(4):
+        guard.observe(4, False, 4, 0.030, prefill_rows=100, prefill_seconds=0.020)
+    row = (0.050 + 4 * 0.020) / 800  # a prompt row's price: 0.16 ms
+    assert guard.rate(4, speculative=False) == pytest.approx(1 / (0.010 + 800 / 16 * row * 4), rel=0.05)
 
 
 def test_controller_decodes_plainly_where_the_realized_rate_says_so():
@@ -1022,8 +1013,7 @@ def test_a_load_the_fit_decodes_plainly_is_measured_speculating_before_it_decode
     assert "retries" not in ctrl.guard.summary()["32"]  # (a first measurement, not a retry) ...
     drafted = ctrl.draft_depth_counts
     assert sum(n for d, n in drafted.items() if d) <= len(ctrl.probe) + 2 * ctrl.guard.min_steps + 1
-    # ... though measured like one: a load's first speculative steps follow its first block of plain
-    # steps, whose wave of prompts one of them may admit, so their prompt chunks are taken out
+    # ... though measured like one (a step's prompt rows out at the regime's steady step time)
     ctrl = _feed(DepthController(8, PAR, explore_every=1000), dear, 0.8, len(ctrl.probe) + 1, many)
     for _ in range(PLAIN_SETTLE_STEPS + 2 * ctrl.guard.min_steps):
         plan = ctrl.decide(many)
@@ -1039,7 +1029,8 @@ def test_a_load_the_fit_decodes_plainly_is_measured_speculating_before_it_decode
     shape = StepShape.of(32, 256, 8, PAR, extra_rows=500, spec_requests=32)
     ctrl.observe_step(shape, dear(shape), 32 * 4)  # a chunk: out at the fit's price
     assert ctrl.guard.retrying(32)
-    assert ctrl.guard.rate(32, speculative=True) == pytest.approx(4 / dear(decode), rel=0.02)
+    tokens, request_seconds = ctrl.guard._sums[(ctrl.guard.bucket(32), True)][:2]  # (decoding alone)
+    assert tokens / request_seconds == pytest.approx(4 / dear(decode), rel=0.02)
 
 
 def test_a_lower_loads_retry_leaves_its_verdict_to_the_loads_above():

@@ -43,6 +43,8 @@ import torch
 RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation ...
 RETRY_LOSS_BUDGET = 0.01  # ... and at most this share of its throughput (a retry's time times speculation's shortfall)
 MARGIN = 0.05  # speculation must be realized faster than plain decoding by more than this to be chosen
+CHUNK_DECAY = 0.98  # per step with prompt rows: a regime's price of a prompt row (a memory of ~50 such steps)
+WORKLOAD_DECAY = 0.998  # per counted step: prompt rows per committed token (a memory of ~500 steps)
 PLAIN_SETTLE_STEPS = 6  # plain steps right after speculative ones that no plain rate counts (they run slow)
 REFRESH_WITHIN = 0.15  # a load's plain rate is measured afresh while speculation is ahead by less than this
 CLOSE_WITHIN = 0.15  # a fresh measurement that finds the two rates this close goes on ...
@@ -349,9 +351,9 @@ class ThroughputGuard:
     to 1, 2, 4, 8, ...), the committed tokens per request-second the engine *realized* in its
     plain regime and in its speculative regime (exponentially weighted sums of tokens and of
     seconds times requests: per request, so that steps at 9 and at 15 running requests compare
-    fairly). The speculative regime's steps that only draft or only verify, and its steps with a
-    prefill chunk, are part of what speculating costs; which steps count is
-    `DepthController.observe_step`'s choice. Plain decoding is measured in blocks (`plain_block`).
+    fairly). The speculative regime's steps that only draft or only verify are part of what
+    speculating costs; prompt rows are priced per regime over the long run (`_rate_at`); which
+    steps count is `DepthController.observe_step`'s choice. Plain decoding is measured in blocks (`plain_block`).
     Unless speculation has been faster by more than `margin` (`prefers_plain`: a tie, or a lower
     load's verdict where this one measured only one regime, goes to plain decoding), `plain_wins`
     tells the controller to decode plainly, but for a *retry* now and then: the speculative estimate of the
@@ -381,7 +383,12 @@ class ThroughputGuard:
         if not 0 < retry_loss_budget < 1:
             raise ValueError(f"retry_loss_budget must be in (0, 1), got {retry_loss_budget}")
         self.retry_every, self.retry_budget, self.retry_loss_budget = retry_every, retry_budget, retry_loss_budget
-        self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculative) -> [tokens, seconds, steps]
+        # (bucket, speculative) -> [tokens, request-seconds, steps, seconds] of decoding (prompt chunks out)
+        self._sums: dict[tuple[int, bool], list[float]] = {}
+        self._steady: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> a step's seconds without prompts
+        # (bucket, speculative) -> [seconds, rows]: what its steps' prompt rows cost beyond a steady step
+        self._chunks: dict[tuple[int, bool], list[float]] = {}
+        self._workload = [0.0, 0.0]  # [prompt rows, committed tokens]: what each token brings in prompt rows
         self._forced: Counter = Counter()  # bucket -> plain decisions since its last retry
         self._plain_seconds: Counter = Counter()  # bucket -> seconds of plain steps since its last retry
         self._retry_seconds: Counter = Counter()  # bucket -> seconds its last (or current) retry took
@@ -410,10 +417,13 @@ class ThroughputGuard:
         return (max(1, num_requests) - 1).bit_length()
 
     def observe(self, num_requests: int, speculative: bool, committed: int, seconds: float,
-                counted: bool = True, load: int | None = None, prefill_seconds: float = 0.0) -> None:
-        """A step of `num_requests` requests: its time always counts towards the retry budget; its
-        rate only if `counted`, without `prefill_seconds` (what its prompt chunks cost, where the
-        caller charges them to neither regime) and only if time is left once they are out.
+                counted: bool = True, load: int | None = None, prefill_rows: int = 0,
+                prefill_seconds: float = 0.0) -> None:
+        """A step of `num_requests` requests that committed `committed` tokens (0: a step that only
+        admits prompts): its time always counts towards the retry budget; if `counted`, its rate
+        and its `prefill_rows` (prompt rows): a step with prompt rows decodes in the regime's
+        steady step time (or in `seconds - prefill_seconds`, the cost fit's price of the rows,
+        before any), and the rest is its prompt rows' price (``_rate_at``).
         `load`: the load it was decided at, whose bucket it feeds (default `num_requests`)."""
         if seconds <= 0 or num_requests <= 0:
             return
@@ -429,14 +439,29 @@ class ThroughputGuard:
         if speculative and counted:  # (the retry budget's unit: a whole step, prompt chunks and all)
             last = self._spec_step_seconds.get(bucket, seconds)
             self._spec_step_seconds[bucket] = self.decay * last + (1 - self.decay) * seconds
-        decoding = seconds - prefill_seconds
-        if not counted or decoding <= 0:
+        if not counted:
             return
         self._memo.clear()
-        sums = self._sums.setdefault((bucket, speculative), [0.0, 0.0, 0])
+        key = (bucket, speculative)
+        workload = self._workload
+        workload[0] = WORKLOAD_DECAY * workload[0] + prefill_rows
+        workload[1] = WORKLOAD_DECAY * workload[1] + committed
+        steady = self._steady.get(key)
+        if not prefill_rows:
+            decoding = seconds
+            self._steady[key] = seconds if steady is None else self.decay * steady + (1 - self.decay) * seconds
+        else:
+            decoding = 0.0 if not committed else min(seconds, steady if steady is not None else seconds - prefill_seconds)
+            chunks = self._chunks.setdefault(key, [0.0, 0.0])
+            chunks[0] = CHUNK_DECAY * chunks[0] + (seconds - decoding)
+            chunks[1] = CHUNK_DECAY * chunks[1] + prefill_rows
+        if decoding <= 0:
+            return
+        sums = self._sums.setdefault(key, [0.0, 0.0, 0, 0.0])
         sums[0] = self.decay * sums[0] + committed
         sums[1] = self.decay * sums[1] + decoding * num_requests
         sums[2] += 1
+        sums[3] = self.decay * sums[3] + decoding
 
     def rate(self, num_requests: int, speculative: bool) -> float | None:
         """Realized committed tokens per request-second at this load, or None before `min_steps`
@@ -444,8 +469,22 @@ class ThroughputGuard:
         return self._rate_at(self.bucket(num_requests), speculative)
 
     def _rate_at(self, bucket: int, speculative: bool) -> float | None:
+        """Committed tokens per request-second of decoding, with the prompt rows its tokens bring
+        (``_workload``: the same for both regimes, a property of the traffic) at the regime's own
+        price of a prompt row (the other regime's before it has one): a plain regime admits a
+        finished wave's prompts together, speculation one by one, each in a step that carries the
+        whole batch's drafts. Which steps carry prompts is partly chance, so a regime's rate
+        takes their cost out and each token pays the long-run average back."""
         sums = self._sums.get((bucket, speculative))
-        return sums[0] / sums[1] if sums is not None and sums[2] >= self.min_steps else None
+        if sums is None or sums[2] < self.min_steps:
+            return None
+        tokens, request_seconds, _, seconds = sums
+        chunks = self._chunks.get((bucket, speculative)) or self._chunks.get((bucket, not speculative))
+        rows, committed = self._workload
+        if not chunks or not chunks[1] or not committed:
+            return tokens / request_seconds
+        per_token = rows / committed * chunks[0] / chunks[1] * request_seconds / seconds  # request-seconds
+        return tokens / (request_seconds + tokens * per_token)
 
     def _lead(self, bucket: int, speculative: bool, margin: float) -> bool | None:
         """Whether `speculative`'s rate at the bucket is the faster by more than `margin` (None:
@@ -596,12 +635,9 @@ class ThroughputGuard:
         return False
 
     def measure_speculation(self, num_requests: int) -> None:
-        """Measure speculation at this load afresh, as a retry does (its rate forgotten; the
-        controller speculates until `_settled`): a retry, and a load's first measurement, which
-        its steps must not judge with a plain regime's wave of prompts that one of them happens
-        to admit (the bench's `sd` engine at 8 in flight, measured right after its first block of
-        plain steps, read speculation slower and decoded plainly where vLLM's fixed depth realized
-        1.17x AR)."""
+        """Measure speculation at this load afresh (its rate forgotten; the controller speculates,
+        at the full depth where the fit says plain, until `_settled`): a retry, and a load's first
+        measurement, which then ends as a retry does (`plain_wins`)."""
         bucket = self.bucket(num_requests)
         self._sums.pop((bucket, True), None)
         self._memo.clear()
@@ -610,9 +646,10 @@ class ThroughputGuard:
 
     def summary(self) -> dict:
         out = {}
-        for (bucket, speculative), (tokens, seconds, steps) in sorted(self._sums.items()):
+        for (bucket, speculative), (tokens, seconds, steps, _) in sorted(self._sums.items()):
             entry = out.setdefault(str(2 ** bucket), {})  # a bucket by its largest load
-            entry["speculative" if speculative else "plain"] = {"tok_per_req_s": round(tokens / seconds, 1),
+            rate = self._rate_at(bucket, speculative) or tokens / seconds  # (before min_steps: decoding alone)
+            entry["speculative" if speculative else "plain"] = {"tok_per_req_s": round(rate, 1),
                                                                 "steps": steps}
             if self._retries[bucket]:
                 entry["retries"] = self._retries[bucket]
@@ -866,10 +903,8 @@ class DepthController:
         committed) also the throughput guard, in the step's regime: plain if it verified and
         drafted nothing, else speculative. Every step of a regime counts: a step that only drafts
         pays for tokens the next step commits and one that only verifies commits what the last
-        one paid for; a speculative step keeps its prompt chunk (requests finish out of step, and
-        each finish admits a prompt into a step of its own that carries the whole batch, where
-        plain decoding admits a finished wave together), a plain step's is taken out at the cost
-        fit's price. Left out of the guard: the start-up probe's steps; a load's first
+        one paid for; prompt rows are priced per regime (``ThroughputGuard._rate_at``), a step
+        that only admits prompts included. Left out of the guard: the start-up probe's steps; a load's first
         speculative steps (new shapes, whose first passes are slow on a CPU); the switches between
         regimes (a step that drafts with nothing to verify); the first `PLAIN_SETTLE_STEPS` plain
         steps after speculative ones: at 16 in flight on the CPU they ran 10.4, 9.7, 9.7, 9.6, 9.5,
@@ -888,8 +923,10 @@ class DepthController:
         switch = speculative != (self._observed_draft_depth > 0) and shape.spec_requests == 0
         self._observed_draft_depth = shape.draft_depth
         self._plain_run = 0 if speculative else self._plain_run + 1
-        if committed is None:
-            return
+        if committed is None:  # (a step that only admits prompts: their price, nothing decoded)
+            if not shape.prefill_rows:
+                return
+            committed = 0
         decided = self.steps - 1 if step is None else step
         settling = not speculative and self._plain_run <= PLAIN_SETTLE_STEPS
         skip = switch or settling or decided < len(self.probe) and self.policy == "measured"
@@ -900,18 +937,15 @@ class DepthController:
             bucket = self.guard.bucket(load or shape.requests)
             skip = skip or self._first_steps[bucket] < self.guard.min_steps
             self._first_steps[bucket] += 1
-        # a plain step's prompt chunks are charged to neither regime: which plain steps carry them is
-        # partly chance (they cluster where waves change), and a plain engine admits whole waves;
-        # speculation keeps its own: its requests finish out of step, so it admits prompts one by
-        # one, each chunk in a step of its own (charged to neither, speculation read 99.7 tokens
-        # per request-second at 16 in flight against plain blocks' 87.1, and realized 0.79x AR).
-        # But not in a retry: its few steps follow a plain regime's waves, so they carry a whole
-        # wave's prompts or none (mode `sd` at 8 in flight: a 5-step retry read 87.5 tokens per
-        # request-second against plain decoding's 140, where fixed-depth SD realized 1.09x AR);
-        # whether speculation then keeps up is for its steady steps, prompt chunks and all, to say
-        chunk_free = not speculative or self.guard.retrying(load or shape.requests)
+        # prompt chunks are priced per regime over the long run (``ThroughputGuard._rate_at``):
+        # charged as they come, a plain regime's rate swung with the waves it admits, a retry's few
+        # steps carried a whole wave's prompts or none (mode `sd` at 8 in flight: a 5-step retry
+        # read 87.5 tokens per request-second against plain decoding's 140, where fixed-depth SD
+        # realized 1.09x AR), and charged to speculation alone they kept the bench's `sd` engine
+        # at 8 in flight plain (speculation 186 against plain decoding's 191 tokens per
+        # request-second, where its own speculating drive realized 1.20x AR, its plain ones 0.93x)
         self.guard.observe(shape.requests, speculative, committed, seconds, counted=not skip, load=load,
-                           prefill_seconds=self._prefill_seconds(shape) if chunk_free else 0.0)
+                           prefill_rows=shape.prefill_rows, prefill_seconds=self._prefill_seconds(shape))
 
     def _prefill_seconds(self, shape: StepShape) -> float:
         """What the step's prompt chunks cost, as the cost fit has it: the step's predicted cost

@@ -138,9 +138,10 @@ def test_interleaved_bench_is_refused_on_a_gpu_before_any_engine_starts(monkeypa
 
 
 def test_interleaved_bench_takes_turns_with_every_engine_up(tmp_path, monkeypatch):
-    """`--interleave`: both engines are up at once and repeat i drives AR, then the other engine
-    (the default runs each engine's repeats back to back, one engine at a time)."""
-    runs = [r for r in engine_bench.ENGINE_RUNS if r.label in ("ar", "prove-lossless adaptive")]
+    """`--interleave`: every engine is up at once and they take turns, repeat i from the i-th
+    engine on (the default runs each engine's repeats back to back, one engine at a time); the
+    A/A control is an engine of its own, checked against AR's run of the same repeat."""
+    runs = engine_bench.select_runs(["prove-lossless adaptive", "ar control"])
     turns, memory = [], []
     drive_once = engine_bench._drive_once
 
@@ -152,14 +153,20 @@ def test_interleaved_bench_takes_turns_with_every_engine_up(tmp_path, monkeypatc
     monkeypatch.setattr(engine_bench, "_drive_once", spy)
     report = engine_bench.run_engine_bench(heldout_prompts()[:4], max_tokens=8, in_flight=(1, 2), runs=runs,
                                            repeats=2, interleave=True, out_dir=tmp_path, log=lambda line: None)
-    ar, lossless = "ar", "prove-lossless adaptive"
-    assert turns == [(ar, 1), (lossless, 1)] * 2 + [(ar, 2), (lossless, 2)] * 2
+    ar, lossless, control = "ar", "prove-lossless adaptive", "ar control"
+    order = [r.label for r in runs]
+    assert order == [ar, lossless, control]  # (AR first: the ratios need its runs)
+    assert turns == [(label, n) for n in (1, 2) for label in order + order[1:] + order[:1]]
     rows = {(r["label"], r["in_flight"]): r for r in report["rows"]}
-    assert report["interleave"] is True and set(rows) == {(label, n) for label in (ar, lossless) for n in (1, 2)}
+    assert report["interleave"] is True and set(rows) == {(label, n) for label in order for n in (1, 2)}
     for n in (1, 2):
-        row = rows[lossless, n]
-        assert row["same_as_ar"] == 1.0 and len(row["tokens_per_s_repeats"]) == 2
-        lo, hi = row["ratio_spread"]
-        assert lo <= row["ratio_to_ar"] <= hi
+        for label in (lossless, control):
+            row = rows[label, n]
+            assert row["same_as_ar"] == 1.0 and len(row["tokens_per_s_repeats"]) == 2
+            lo, hi = row["ratio_spread"]
+            assert lo <= row["ratio_to_ar"] <= hi
+        # the control's ratios are its own runs against AR's, repeat by repeat
+        ratios = sorted(c / a for c, a in zip(rows[control, n]["tokens_per_s_repeats"], rows[ar, n]["tokens_per_s_repeats"]))
+        assert rows[control, n]["ratio_spread"] == pytest.approx(ratios[::len(ratios) - 1], abs=2e-3)
     # each row's memory is its own engine's, not the sum of the engines that were up together
     assert 0 < rows[ar, 1]["peak_rss_mb"] < min(memory[1:])

@@ -66,3 +66,14 @@ def test_bench_refuses_zero_repeats_before_any_engine_starts():
 
     with pytest.raises(ProveError, match=r"--repeats: at least 1, got 0"):
         engine_bench.run_engine_bench(["def f():"], repeats=0)
+
+
+def test_select_runs_keeps_ar_first_and_the_control_only_by_name():
+    from vllm_prove.errors import ProveError
+
+    every = [r.label for r in engine_bench.select_runs(None)]
+    assert every[0] == "ar" and "ar control" not in every and "prove-lossless adaptive" in every
+    chosen = [r.label for r in engine_bench.select_runs(["ar control", "sd k=5"])]
+    assert chosen == ["ar", "sd k=5", "ar control"]
+    with pytest.raises(ProveError, match=r"--methods: unknown \['ar twin'\]; choose from \[.*'ar control'"):
+        engine_bench.select_runs(["ar twin"])

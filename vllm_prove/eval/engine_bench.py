@@ -8,7 +8,9 @@ apart. Rows:
 
 - vLLM AR; vLLM's draft-model SD with the zoo verifier as the drafter (k = 3, 5); vLLM's
   built-in self parallel drafting (the proposer loaded again as its own draft); MARS tau;
-  ProVe theta in {0.1, 0.05, 0.01}; ProVe-lossless. Optionally AR and lossless in bf16.
+  ProVe theta in {0.1, 0.05, 0.01}; ProVe-lossless. Optionally AR and lossless in bf16, and
+  `ar control`: a second AR engine, whose ratio to AR (1 in expectation) shows how far this
+  machine's noise alone moves a ratio at each concurrency (an A/A test).
 
 Columns: tokens/s and its ratio to AR at the same concurrency, committed tokens per cycle
 (engine steps that gave a request tokens), `=AR` (share of tokens inside the common prefix
@@ -76,6 +78,9 @@ ENGINE_RUNS = [
     EngineRun("sdd", {"method": Method.SDD}),
     EngineRun("sdd-skip raw", {"method": Method.SDD_SKIP}),
 ]
+# an A/A control, by name only (`--methods "ar control"`): a second engine identical to AR, its
+# ratio to AR the resolution of this machine's ratios (no method's ratio means more than its spread)
+CONTROL_RUNS = [EngineRun("ar control", {"method": Method.AR})]
 BF16_RUNS = [
     EngineRun("ar bf16", {"method": Method.AR, "dtype": "bfloat16"}),
     EngineRun("prove-lossless bf16", {"method": Method.PROVE_LOSSLESS, "dtype": "bfloat16", **FIXED}),
@@ -98,14 +103,14 @@ def sweep_runs(block_sizes, default_block_size: int) -> list[EngineRun]:
 
 def select_runs(methods: list[str] | None, block_sizes: list[int] | None = None) -> list[EngineRun]:
     """The bench's rows: every row, or those whose label is in `methods` (AR is always first:
-    the ratios need it), plus the block-size sweep."""
+    the ratios need it; the A/A control only by name), plus the block-size sweep."""
     runs = ENGINE_RUNS
     if methods:
-        known = [r.label for r in ENGINE_RUNS]
+        known = [r.label for r in ENGINE_RUNS + CONTROL_RUNS]
         unknown = [m for m in methods if m not in known]
         if unknown:
             raise ProveError(f"--methods: unknown {unknown}; choose from {known}")
-        runs = [r for r in ENGINE_RUNS if r.label == "ar" or r.label in methods]
+        runs = [r for r in ENGINE_RUNS + CONTROL_RUNS if r.label == "ar" or r.label in methods]
     return list(runs) + sweep_runs(block_sizes or [], DecodeConfig().block_size)
 
 
@@ -239,9 +244,10 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     fields of the median repeat.
 
     Engines run one after another by default, each doing its repeats back to back. With
-    `interleave` every engine is up at once and they take turns: repeat i drives AR, then each
-    other engine, `IDLE_S` apart, so a ratio compares runs seconds apart, not minutes (this
-    machine's speed drifts by 10-30% over minutes). It needs the memory of all engines at once,
+    `interleave` every engine is up at once and they take turns, `IDLE_S` apart, so a ratio
+    compares runs seconds apart, not minutes (this machine's speed drifts by 10-30% over
+    minutes); repeat i starts at the i-th engine (AR first in repeat 0), so no engine always
+    runs right after AR or last. It needs the memory of all engines at once,
     so it runs on the CPU only (each GPU engine takes vLLM's `gpu_memory_utilization` of 0.9)."""
     if repeats < 1:
         raise ProveError(f"--repeats: at least 1, got {repeats}")
@@ -291,8 +297,8 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
         with contextlib.ExitStack() as stack:
             engines = [_start(run, max_tokens, max(in_flight), stack) for run in runs]
             for n in in_flight:
-                for _ in range(repeats):
-                    for eng in engines:
+                for i in range(repeats):
+                    for eng in engines[i % len(engines):] + engines[: i % len(engines)]:  # (turns rotate)
                         time.sleep(IDLE_S)  # the engine that ran last stops polling its workers
                         drive(eng, n)
             for eng in engines:
@@ -330,7 +336,7 @@ def _row(eng: _Engine, n: int, ar_speeds: dict, reference: dict, proposer, pass_
     results, driven, spec = reps[sorted(range(repeats), key=speeds.__getitem__)[repeats // 2]]
     summary = engine_gen.summarize(cfg.model_copy(update={"batch_size": n}), results, driven, spec)
     tokens = [r.token_ids for r in results]
-    if cfg.method is Method.AR:
+    if cfg.method is Method.AR and (cfg.dtype, n) not in reference:  # (the control is checked against AR)
         reference[(cfg.dtype, n)] = tokens
     if cfg.method.diffusion:  # SUMMARY.json's SDD fields; no cost model for the drafter's passes
         summary |= engine_gen.sdd_summary(driven["sdd"], summary["num_tokens"])

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_prove.core.adaptive import (CLOSE_STEPS, PLAIN_REFIT_EVERY, PLAIN_SETTLE_STEPS, RETRY_LOSS_BUDGET, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
+from vllm_prove.core.adaptive import (CLOSE_STEPS, ENTER_MARGIN, MARGIN, PLAIN_REFIT_EVERY, PLAIN_SETTLE_STEPS, RETRY_LOSS_BUDGET, SUMMARY_EVERY, AcceptanceTracker, DepthController, DraftKind, StepCost, StepCostModel,
                                       StepShape, ThroughputGuard, choose_depths, expected_committed, summary_delta)
 
 PAR, SEQ = DraftKind.PARALLEL, DraftKind.SEQUENTIAL
@@ -676,7 +676,8 @@ def test_a_retry_that_finds_the_two_rates_close_measures_on():
     """A retry that finds speculation far behind plain decoding ends once `min_steps` steps have
     measured it; one that finds the two within CLOSE_WITHIN goes on to CLOSE_STEPS steps, so a
     few slow steps do not decide a close call: here speculation reads 9% behind over its first
-    8 steps and 11% ahead over the rest, and the retry ends speculating."""
+    8 steps and 25% ahead over the rest, and the retry ends speculating (a lead beyond
+    ENTER_MARGIN)."""
     def retry(seconds):  # seconds of the retry's speculative steps, one after another
         guard = ThroughputGuard(min_steps=4, retry_budget=0.5)
         for _ in range(8):
@@ -692,7 +693,7 @@ def test_a_retry_that_finds_the_two_rates_close_measures_on():
         return guard, steps
     guard, steps = retry(lambda i: 0.020)  # 50 per request-second: clearly behind
     assert steps == 4 and guard.prefers_plain(8)
-    guard, steps = retry(lambda i: 0.011 if i < 8 else 0.009)  # 91, then 111
+    guard, steps = retry(lambda i: 0.011 if i < 8 else 0.008)  # 91, then 125
     assert steps == CLOSE_STEPS and not guard.prefers_plain(8)
     assert guard.rate(8, speculative=True) > 106
 
@@ -842,22 +843,40 @@ def test_the_guard_overrules_a_fit_that_says_plain_where_speculation_was_faster(
     assert plan.draft_depth == 8 and set(plan.depths.values()) == {8}
 
 
-def test_a_tie_goes_to_plain_decoding():
-    """Speculation must be realized faster by more than the margin to be chosen: within it the load
-    decodes plainly (the rates carry errors of several per cent; what speculating costs beyond its
-    steps, requests finishing out of step and prompts admitted one by one, falls on its side),
-    though the cost fit says speculate."""
+def test_a_tie_goes_to_plain_decoding_and_a_verdict_holds_within_the_band():
+    """Speculation must be realized faster by more than ENTER_MARGIN to be chosen where the load
+    decodes plainly: within it the load stays plain (the rates carry errors of several per cent;
+    what speculating costs beyond its steps, requests finishing out of step and prompts admitted
+    one by one, falls on its side), though the cost fit says speculate. Once speculating, it goes
+    on while it leads by more than MARGIN (hysteresis: a reading between the two changes
+    nothing), and a lead within MARGIN turns the load plain again."""
+    assert MARGIN < 0.10 < ENTER_MARGIN < 0.20
     ctrl = _feed(DepthController(4, PAR, explore_every=1000), StepCost(0.01, 0.0, 0.0001, 0.001, 0.0001), 0.9, 30,
                  ["a", "b"])
-    for _ in range(200):  # (the simulated steps before fade from the estimates)
-        ctrl.guard.observe(2, False, 2, 0.010)  # plain: 100 per request-second
-        ctrl.guard.observe(2, True, 2.04, 0.010)  # speculation: 104, within the 5% margin (MARGIN)
+
+    def speculation_reads(rate):  # 200 steps of each regime at 2 requests; plain: 100 per request-second
+        for _ in range(200):  # (the simulated steps before fade from the estimates)
+            ctrl.guard.observe(2, False, 2, 0.010)
+            ctrl.guard.observe(2, True, 2 * rate / 100, 0.010)
+        return ctrl.decide(["a", "b"]).draft_depth > 0
+
+    assert not speculation_reads(104)  # a tie, within MARGIN
     assert not ctrl.guard.plain_faster(2) and not ctrl.guard.speculation_faster(2) and ctrl.guard.prefers_plain(2)
-    assert ctrl.decide(["a", "b"]).draft_depth == 0
-    for _ in range(200):
-        ctrl.guard.observe(2, True, 2.2, 0.010)  # speculation: 110
+    assert not speculation_reads(110)  # ahead by more than MARGIN, not by ENTER_MARGIN: stays plain
+    assert ctrl.guard.prefers_plain(2) and not ctrl.guard.speculation_faster(2)
+    assert speculation_reads(120)  # beyond ENTER_MARGIN: speculates
     assert ctrl.guard.speculation_faster(2) and not ctrl.guard.prefers_plain(2)
-    assert ctrl.decide(["a", "b"]).draft_depth > 0
+    assert speculation_reads(110)  # back within the band: goes on speculating
+    assert ctrl.guard.speculation_faster(2) and not ctrl.guard.prefers_plain(2)
+    assert not speculation_reads(104)  # within MARGIN: plain again
+    assert ctrl.guard.prefers_plain(2)
+
+
+def test_the_two_margins_are_validated():
+    with pytest.raises(ValueError, match="enter_margin"):
+        ThroughputGuard(margin=0.2, enter_margin=0.1)
+    assert ThroughputGuard(margin=0.3).enter_margin == 0.3  # the default never sits below `margin`
+    assert ThroughputGuard().enter_margin == ENTER_MARGIN
 
 
 def _speculate_with_plain_measured_at(plain_seconds: float) -> tuple[DepthController, list]:

@@ -42,7 +42,13 @@ import torch
 
 RETRY_BUDGET = 0.05  # at most this share of a plain regime's time goes to retrying speculation ...
 RETRY_LOSS_BUDGET = 0.01  # ... and at most this share of its throughput (a retry's time times speculation's shortfall)
-MARGIN = 0.05  # speculation must be realized faster than plain decoding by more than this to be chosen
+MARGIN = 0.05  # a load that speculates goes on while speculation is realized faster than plain decoding by more than this ...
+# ... and one that decodes plainly, or has no verdict yet, starts only where it leads by more than this:
+# two rates read minutes apart on the CPU differ by 5-25% with no change of regime (an A/A test of
+# three AR engines read 0.74-1.15x of each other run by run), so with one threshold both ways a
+# load whose two rates are a few % apart switched with every reading (mode `sd` at 16 in flight:
+# 0-81% plain by run, 0.94x AR where either regime alone realized ~1.0x)
+ENTER_MARGIN = 0.15
 CHUNK_DECAY = 0.98  # per step with prompt rows: a regime's price of a prompt row (a memory of ~50 such steps)
 WORKLOAD_DECAY = 0.998  # per counted step: prompt rows per committed token (a memory of ~500 steps)
 PLAIN_SETTLE_STEPS = 6  # plain steps right after speculative ones that no plain rate counts (they run slow)
@@ -380,10 +386,14 @@ class ThroughputGuard:
     bad first impression keep it from speculating."""
 
     def __init__(self, decay: float = 0.95, margin: float = MARGIN, min_steps: int = 4, retry_every: int = 32,
-                 retry_budget: float = RETRY_BUDGET, retry_loss_budget: float = RETRY_LOSS_BUDGET) -> None:
+                 retry_budget: float = RETRY_BUDGET, retry_loss_budget: float = RETRY_LOSS_BUDGET,
+                 enter_margin: float | None = None) -> None:
         if not 0 < retry_budget < 1:
             raise ValueError(f"retry_budget must be in (0, 1), got {retry_budget}")
-        self.decay, self.margin, self.min_steps = decay, margin, min_steps
+        enter_margin = max(ENTER_MARGIN, margin) if enter_margin is None else enter_margin
+        if not 0 <= margin <= enter_margin:
+            raise ValueError(f"need 0 <= margin <= enter_margin, got {margin} and {enter_margin}")
+        self.decay, self.margin, self.enter_margin, self.min_steps = decay, margin, enter_margin, min_steps
         if not 0 < retry_loss_budget < 1:
             raise ValueError(f"retry_loss_budget must be in (0, 1), got {retry_loss_budget}")
         self.retry_every, self.retry_budget, self.retry_loss_budget = retry_every, retry_budget, retry_loss_budget
@@ -496,11 +506,17 @@ class ThroughputGuard:
         mine, other = self._rate_at(bucket, speculative), self._rate_at(bucket, not speculative)
         return None if mine is None or other is None else mine > other * (1 + margin)
 
+    def _margin(self, bucket: int) -> float:
+        """The lead speculation needs at the bucket: `margin` to go on speculating where its last
+        verdict was speculation, `enter_margin` to start where it was plain decoding or there is
+        none yet (hysteresis: a reading within the band between them changes nothing)."""
+        return self.margin if self._verdicts.get(bucket) is False else self.enter_margin
+
     def _measured_plain_preferred(self, bucket: int) -> bool | None:
         """Whether the bucket's own rates prefer plain decoding (None: not both measured)."""
         key = ("own", bucket)
         if key not in self._memo:
-            lead = self._lead(bucket, speculative=True, margin=self.margin)
+            lead = self._lead(bucket, speculative=True, margin=self._margin(bucket))
             if lead is not None:
                 self._verdicts[bucket] = not lead
             self._memo[key] = None if lead is None else not lead
@@ -525,7 +541,8 @@ class ThroughputGuard:
 
     def prefers_plain(self, num_requests: int) -> bool:
         """Whether this load decodes plainly: both regimes are measured and speculation is not the
-        faster by more than `margin` (a tie goes to plain decoding: what speculating costs beyond
+        faster by more than the bucket's margin (`margin` where it speculates, `enter_margin` where
+        it decodes plainly or has no verdict yet; a tie goes to plain decoding: what speculating costs beyond
         its own steps, requests finishing out of step so that prompts are admitted one by one and
         never again as a wave, falls on its side); or, where this load has not measured both, a
         lower load prefers plain decoding by its own measurements: the more requests a step
@@ -600,13 +617,14 @@ class ThroughputGuard:
         return self.bucket(num_requests) in self._plain_block
 
     def speculation_faster(self, num_requests: int) -> bool:
-        """Whether speculative steps have been faster at this load (by more than `margin`)."""
+        """Whether speculative steps have been faster at this load (by more than the bucket's margin)."""
         return self._ahead(num_requests, speculative=True)
 
     def _ahead(self, num_requests: int, speculative: bool) -> bool:
         """Whether both regimes are measured at this load and `speculative`'s is the faster by
-        more than `margin`."""
-        return bool(self._lead(self.bucket(num_requests), speculative, self.margin))
+        more than the margin (speculation: the bucket's, ``_margin``)."""
+        bucket = self.bucket(num_requests)
+        return bool(self._lead(bucket, speculative, self._margin(bucket) if speculative else self.margin))
 
     def retrying(self, num_requests: int) -> bool:
         """Whether this load is measuring speculation afresh (a retry: the controller speculates)."""

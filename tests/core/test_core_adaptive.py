@@ -704,16 +704,21 @@ def test_a_plain_block_that_finds_the_two_rates_close_measures_on():
     def block(plain_seconds):
         guard = ThroughputGuard(min_steps=4, retry_budget=0.5)
         for _ in range(CLOSE_STEPS):  # (measured as long as a close call takes)
-            guard.observe(8, False, 8, 0.011)  # plain: 91 per request-second
-            guard.observe(8, True, 8, 0.010)  # speculation: 100, ahead (but by less than REFRESH_WITHIN)
-        while not guard.plain_block(8):
+            guard.observe(8, False, 8, 0.012)  # plain: 83 per request-second
+            guard.observe(8, True, 8, 0.010)  # speculation: 100, ahead by more than ENTER_MARGIN (less than REFRESH_WITHIN)
+        assert not guard.prefers_plain(8)
+        for _ in range(10_000):
+            if guard.plain_block(8):
+                break
             guard.observe(8, True, 8, 0.010)
+        else:
+            raise AssertionError("no plain block began")
         steps = 0
         while guard.plain_block(8):
             guard.observe(8, False, 8, plain_seconds)
             steps += 1
         return guard, steps
-    guard, steps = block(0.011)  # 91 again: a close call
+    guard, steps = block(0.012)  # 83 again: a close call
     assert steps == CLOSE_STEPS and not guard.prefers_plain(8)
     guard, steps = block(0.020)  # 50: clearly behind
     assert steps == 4 and not guard.prefers_plain(8)

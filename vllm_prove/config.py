@@ -233,10 +233,12 @@ class ProveEngineConfig(_Strict):
     """Load-adaptive speculation depth (docs/METHODS.md §9): every engine step, each request's
     depth from measured step costs and acceptance. None = on where built (lossless, sd), off in
     the gated modes (whose window depth is not adaptive yet); False = the fixed depth."""
-    adaptive_policy: Literal["measured", "random", "plain"] = "measured"
-    """`measured`: the controller maximizes expected committed tokens per second; `random`:
-    depths drawn at random every step (a diagnostic: exact modes must not change their output);
-    `plain`: depth 0 every step (a diagnostic: what the engine costs with speculation idle)."""
+    adaptive_policy: Literal["measured", "speculate", "random", "plain"] = "measured"
+    """`measured`: per load, the guard decides whether to speculate from measured throughput and
+    the solver how deep (docs/METHODS.md §9); `speculate`: the solver's depths every step, never
+    plain decoding (a load that must speculate, whatever it measures); `random`: depths drawn at
+    random every step (a diagnostic: exact modes must not change their output); `plain`: depth 0
+    every step (a diagnostic: what the engine costs with speculation idle)."""
     # -- mode sdd (docs/METHODS.md §7): block_size is gamma, the drafted block ---------------
     drafter: str | None = _DECODE_FIELDS["drafter"]
     """Diffusion drafter folder (`mode=sdd`; `diffusion_drafter` in its config.json says its kind)."""

@@ -218,7 +218,7 @@ MANY = [f"r{i}" for i in range(32)]
 
 def test_controller_probes_then_follows_the_load():
     ctrl = _feed(DepthController(8, PAR), LIGHT, 0.8, 300, ["a"])
-    assert ctrl.probe[:2] == [8, 0] and len(ctrl.probe) == 9
+    assert ctrl.probe == [8, 0, 4, 1]
     assert ctrl.model_log_ratio(1) > 0.3  # cheap rows: the model predicts speculation far ahead ...
     plans = [ctrl.decide(["a"]) for _ in range(16)]
     assert all(p.draft_depth >= 5 for p in plans if not p.explored)  # ... and it speculates deep

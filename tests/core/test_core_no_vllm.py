@@ -6,7 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-CORE_MODULES = ["contracts", "rules", "skip_policy", "metrics", "cost_model", "diffusion", "survival", "adaptive"]
+CORE_MODULES = ["contracts", "rules", "skip_policy", "metrics", "cost_model", "diffusion", "survival", "fused", "adaptive",
+                "adaptive.estimators", "adaptive.solver", "adaptive.guard", "adaptive.controller"]
 
 
 def test_core_imports_with_vllm_unimportable():

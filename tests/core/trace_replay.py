@@ -98,7 +98,7 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class Noise:
     """What the replay adds to the recorded residuals."""
 
-    step_sigma: float = 0.10  # lognormal per step
+    step_sigma: float = 0.05  # lognormal per step, beside the recorded residuals
     drift_sigma: float = 0.08  # stationary sd of the machine's log speed (AR(1)) ...
     drift_memory: float = 200.0  # ... and its correlation length in steps
     warmup_steps: int = 3  # the first steps of each new shape at a load ...
@@ -211,3 +211,59 @@ class Replay:
         key = (world.load, shape.draft_depth, shape.spec_requests > 0)
         seen[key] = seen.get(key, 0) + 1
         return self.noise.warmup_factor if seen[key] <= self.noise.warmup_steps else 1.0
+
+
+SEEDS = (0, 1, 2)
+LOADS = (1, 2, 4, 8, 16, 32)
+STEPS = 3000
+# load changes, a burst-prone machine: one request, a wave at 16, back to one, then 32
+MIXED = [(1, 600), (16, 600), (1, 600), (32, 600), (4, 600)]
+
+
+def compare(mode: str, phases: list[tuple[int, int]], seed: int, controller_cls) -> dict:
+    """The controller's throughput beside every fixed arm's (plain decoding and each fixed depth),
+    on the same replayed machine."""
+    worlds = load_worlds(mode)
+    replay = Replay(worlds, seed)
+    fixed = {depth: replay.run(phases, fixed_depth=depth) for depth in range(DEPTHS[mode] + 1)}
+    controller = controller_cls(DEPTHS[mode], KINDS[mode])
+    adaptive = replay.run(phases, controller=controller)
+    best = max(fixed, key=fixed.get)
+    return {"adaptive": adaptive, "plain": fixed[0], "best": fixed[best], "best_depth": best,
+            "vs_best": adaptive / fixed[best], "vs_plain": adaptive / fixed[0]}
+
+
+def main() -> None:
+    """``python tests/core/trace_replay.py [--controller-from FILE] [--out JSON]``: the grid of
+    the replay test as a table (``--controller-from``: a module file with a ``DepthController``,
+    e.g. ``git show REV:vllm_prove/core/adaptive.py > old.py``, to compare another version)."""
+    import argparse
+    import importlib.util
+    import sys
+
+    from vllm_prove.core.adaptive import DepthController
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--controller-from", help="a module file defining DepthController")
+    parser.add_argument("--out", help="write the rows as JSON")
+    args = parser.parse_args()
+    cls = DepthController
+    if args.controller_from:
+        spec = importlib.util.spec_from_file_location("other_adaptive", args.controller_from)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cls = module.DepthController
+    rows = []
+    for mode in KINDS:
+        for name, phases in [(str(load), [(load, STEPS)]) for load in LOADS] + [("mixed", MIXED)]:
+            for seed in SEEDS:
+                row = {"mode": mode, "load": name, "seed": seed, **compare(mode, phases, seed, cls)}
+                rows.append(row)
+                print(f"{mode:9s} {name:>6s} seed {seed}: adaptive/best {row['vs_best']:.3f} (best D={row['best_depth']})"
+                      f"  adaptive/plain {row['vs_plain']:.3f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

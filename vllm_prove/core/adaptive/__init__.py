@@ -12,11 +12,11 @@ from vllm_prove.core.adaptive.controller import (
 from vllm_prove.core.adaptive.estimators import (
     COST_TERMS, AcceptanceTracker, DraftKind, StepCost, StepCostModel, StepShape, expected_committed, expected_np)
 from vllm_prove.core.adaptive.guard import (
-    BLOCK_STEPS, CONFIDENCE_Z, DISCOUNT, EXPLORE_BUDGET, MODEL_SPREAD, SETTLE_STEPS, SpeculationGuard)
+    BLOCK_STEPS, CONFIDENCE_Z, DISCOUNT, EXPLORE_BUDGET, FREE_PAIRS, MODEL_SPREAD, SETTLE_STEPS, SpeculationGuard)
 from vllm_prove.core.adaptive.solver import Plan, choose_depths, solve
 
 __all__ = [
-    "BLOCK_STEPS", "CONFIDENCE_Z", "COST_TERMS", "DISCOUNT", "EXPLORE_BUDGET", "MODEL_SPREAD", "PLAIN_REFIT_EVERY",
+    "BLOCK_STEPS", "CONFIDENCE_Z", "COST_TERMS", "DISCOUNT", "EXPLORE_BUDGET", "FREE_PAIRS", "MODEL_SPREAD", "PLAIN_REFIT_EVERY",
     "POLICIES", "SETTLE_STEPS", "SUMMARY_EVERY", "AcceptanceTracker", "Decision", "DepthController", "DraftKind",
     "Plan", "SpeculationGuard", "StepCost", "StepCostModel", "StepShape", "choose_depths", "expected_committed",
     "expected_np", "solve", "summary_delta",

@@ -38,7 +38,7 @@ class Decision:
 class DepthController:
     """Measured costs and acceptance -> each step's depths.
 
-    ``policy="measured"`` (the default): the start-up probe runs each draft depth once
+    ``policy="measured"`` (the default): the start-up probe runs a few draft depths once
     so the cost fit has seen cheap and dear steps; afterwards the guard (``SpeculationGuard``)
     says per load whether to speculate, and where it does the solver plans the depths (``D >= 1``),
     one step in ``explore_every`` trying a neighbouring draft depth so the fit keeps seeing more
@@ -59,8 +59,10 @@ class DepthController:
             raise ValueError(f"allowed depths {self.choices} exceed max_depth {max_depth}")
         self._allowed_row = np.zeros(max_depth + 1, dtype=bool)
         self._allowed_row[self.choices] = True
-        # probe order: deepest, none, then the rest from deep to shallow
-        self.probe = [self.choices[-1], 0] + [d for d in reversed(self.choices) if d not in (0, self.choices[-1])]
+        # the probe: deepest, none, half, one (enough shapes to tell the cost terms apart; each
+        # speculative step at a high load costs several plain ones, so no more)
+        full = self.choices[-1]
+        self.probe = list(dict.fromkeys([full, 0, *(d for d in self.choices if d >= full // 2)][:3] + [self.choices[1]]))
         if policy != "measured":
             self.probe = []  # (the probe serves the guard's first decisions)
         self.explore_every, self.refit_every = explore_every, refit_every
@@ -196,8 +198,9 @@ class DepthController:
 
     def model_log_ratio(self, load: int) -> float | None:
         """The cost model's predicted ``log(rate_speculate / rate_plain)`` at ``load`` requests with
-        the population's acceptance: the guard's prior (None before a fit)."""
-        if self.last_cost is None or load < 1:
+        the population's acceptance: the guard's prior (None before the fit has seen as many steps
+        as it has terms: fitted to the probe alone, any split of the time between the terms fits)."""
+        if self.last_cost is None or load < 1 or self.costs.count < len(COST_TERMS):
             return None
         rates = np.broadcast_to(self.tracker.population_array(), (load, self.tracker.max_depth))
         speculate = self._plan(rates).rate

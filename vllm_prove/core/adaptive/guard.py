@@ -2,22 +2,28 @@
 made on measured throughput with confidence intervals (docs/METHODS.md §9, "Whether to
 speculate", states the policy and the reason for each knob below).
 
-Per load bucket the guard runs one arm at a time in *blocks* of ``BLOCK_STEPS`` counted steps.
-A block's value is its log committed tokens per request-second; each arm keeps a discounted mean
-of its blocks (every block at the bucket weighs the past by ``DISCOUNT``, so an arm not run lately
-carries less weight), and the noise of one block is estimated from the blocks' own scatter.
-The statistic is ``d = log(rate_speculate / rate_plain)``:
+Per load bucket the guard runs one arm at a time in *blocks* of ``BLOCK_STEPS`` counted steps; a
+block's value is its log committed tokens per request-second. The arm *in force* runs; now and
+then one block of the other arm is run between two blocks of it, and the *pair* gives one reading
+of the statistic ``d = log(rate_speculate / rate_plain)``: the other arm's block against the mean
+of its neighbours, so that the machine's slow drift cancels. The pairs are averaged with weights
+that every block at the bucket multiplies by ``DISCOUNT`` (a reading grows stale), and their
+noise is estimated from their own scatter:
 
-    data       d^  = mean_S - mean_P,        var = noise * (1 / w_S + 1 / w_P)
+    data       d^  = discounted mean of the pairs,   var = noise ** 2 / (their weight)
     prior      d_0 = the cost model's predicted log ratio,   var = MODEL_SPREAD ** 2
     posterior  the precision-weighted mean of the two, and its standard deviation s
 
-The arm *in force* changes only when the posterior interval ``d +- CONFIDENCE_Z * s`` excludes 0
-(the noise sets the hysteresis). The other arm is *explored* (one block) while the data alone
-cannot tell the arms apart, within one budget for both directions: exploration gives up at most
-``EXPLORE_BUDGET`` of the bucket's throughput, an explored block charged its time times the
-explored arm's shortfall (at least ``1 / BLOCK_STEPS``: the switch itself costs about a step).
-An arm never measured at a bucket is measured once, whatever the budget.
+The arm in force changes only when the posterior interval ``d +- CONFIDENCE_Z * s`` excludes 0
+(the noise sets the hysteresis). The other arm is *explored* (one block) while the data alone do
+not put the arm in force ahead, within one budget for both directions: exploration gives up at most
+``EXPLORE_BUDGET`` of the bucket's throughput, an explored block charged its two switches (about a
+step each) and its time times the explored arm's shortfall as the posterior has it (an arm
+expected to be the faster one earns its gain back). A bucket's
+first ``FREE_PAIRS`` pairs are run whatever the budget (one reading has no scatter, and a model
+fitted on a few warm-up steps may be far off); an arm's first run at a bucket lets a whole block of its new step
+shapes settle first. A bucket starts with the arm the model predicts, plain decoding before the
+model can predict.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from typing import Callable
 
 # The five knobs (docs/METHODS.md §9 gives each one's reason).
 BLOCK_STEPS = 8  # counted steps per block: a block's rate averages step jitter and prompt chunks
-DISCOUNT = 0.98  # weight of a bucket's past blocks per new block there (a memory of ~50 blocks)
+DISCOUNT = 0.99  # weight of a bucket's past blocks per new block there (a memory of ~50 blocks)
 CONFIDENCE_Z = 2.0  # an interval is mean +- this many standard deviations (one-sided ~97.7%)
 EXPLORE_BUDGET = 0.01  # at most this share of a bucket's throughput goes to exploring
-MODEL_SPREAD = 0.2  # the cost model's error on the log rate ratio (and a block's noise before any is measured)
+MODEL_SPREAD = 0.2  # the cost model's error on the log rate ratio (and a pair's noise before any is measured)
 
 SETTLE_STEPS = BLOCK_STEPS // 4  # a run's first steps after a switch are not counted (caches, new shapes)
+FREE_PAIRS = 2  # a bucket's first pairs run whatever the budget (one reading has no scatter)
 
 
 @dataclass
@@ -62,10 +69,16 @@ class BucketState:
     settle: int = 0  # steps of the running arm still to leave out
     tokens: float = 0.0  # the block so far: committed tokens ...
     request_seconds: float = 0.0  # ... seconds times requests ...
-    steps: int = 0  # ... and counted steps
-    block_seconds: float = 0.0  # every step's time since the last block ended (transitions too)
+    steps: int = 0  # ... and counted steps (those with prompt rows too) ...
+    mixed: list = field(default_factory=lambda: [0.0, 0.0])  # ... of which with prompt rows: tokens, request-seconds
+    block_seconds: float = 0.0  # every step's time since the last block ended (transitions too) ...
+    block_steps: int = 0  # ... and its steps
+    step_seconds: float = 0.0  # a step's mean time in the last block
     seconds: float = 0.0  # every step's time at the bucket
     explore_cost: float = 0.0  # throughput-seconds given up to exploring
+    pairs: ArmStats = field(default_factory=ArmStats)  # readings of d: the discounted mean of the pairs
+    before: float | None = None  # the in-force arm's last block value (a pair's first neighbour)
+    pending: tuple | None = None  # (explored arm, its block value, the block before), awaiting the block after
     prior: float | None = None  # the model's log ratio when last asked
     switches: int = 0
     explored: int = 0  # blocks run on the arm not in force
@@ -78,7 +91,8 @@ class SpeculationGuard:
     def __init__(self, prior: Callable[[int], float | None] | None = None) -> None:
         self.prior = prior
         self._buckets: dict[int, BucketState] = {}
-        self._noise = [MODEL_SPREAD ** 2, 1.0]  # [weighted squared residuals, weight]: one prior block
+        # [weighted squared residuals, weight] of the pairs' readings: two prior readings at MODEL_SPREAD
+        self._noise = [2 * MODEL_SPREAD ** 2, 2.0]
         self._prompt_price = [0.0, 0.0]  # [request-seconds of prompt rows, committed tokens], the engine's life
 
     @staticmethod
@@ -89,35 +103,40 @@ class SpeculationGuard:
 
     def speculates(self, load: int) -> bool:
         """The arm the bucket of ``load`` runs now (a bucket met for the first time starts with
-        the arm the model predicts, speculation where it cannot tell)."""
+        the arm the model predicts, plain decoding where it cannot tell yet)."""
         return self.state(load).running
 
     def observe(self, load: int, speculative: bool, committed: int | None, seconds: float, requests: int,
                 prefill_seconds: float = 0.0) -> None:
         """A step decided at ``load``: ``requests`` requests ran for ``seconds`` and committed
         ``committed`` tokens (None: a step that only admitted prompts); ``prefill_seconds`` of it
-        were its prompt rows' (the cost fit's price). A block's rate is its decoding alone plus,
-        per committed token, the traffic's prompt price per token over the engine's life (the
-        same for both arms: which block a wave of prompts lands in is chance, and charged as they
-        come they would make one block in a few 2-3x slower than the rest). A step of the arm the
-        bucket is not running (the switch between arms) and the first ``SETTLE_STEPS`` of a run
-        count only as time."""
+        were its prompt rows' (the cost fit's price). A block's rate is that of its steps without
+        prompt rows (of all its steps, their prompt rows at the fit's price taken out, where every
+        step carried some), and every committed token is then charged the traffic's prompt price
+        per token over the engine's life, the same for both arms (which block a wave of prompts
+        lands in is chance, and counted as they come, one block in a few read 2-3x slower than
+        the rest). A step of the arm the bucket is not running (the switch between arms) and the
+        first ``SETTLE_STEPS`` of a run count only as time."""
         if seconds <= 0 or requests <= 0:
             return
-        prefill_seconds = min(max(prefill_seconds, 0.0), seconds)
-        self._prompt_price[0] += prefill_seconds * requests
+        self._prompt_price[0] += min(max(prefill_seconds, 0.0), seconds) * requests
         self._prompt_price[1] += committed or 0
         state = self.state(load)
         state.seconds += seconds
         state.block_seconds += seconds
+        state.block_steps += 1
         if speculative != state.running or committed is None:
             return
         if state.settle > 0:
             state.settle -= 1
             return
-        state.tokens += committed
-        state.request_seconds += (seconds - prefill_seconds) * requests
         state.steps += 1
+        if prefill_seconds > 0:  # (its decoding, at the fit's price of the rows: the fallback)
+            state.mixed[0] += committed
+            state.mixed[1] += max(seconds - prefill_seconds, 0.0) * requests
+        else:
+            state.tokens += committed
+            state.request_seconds += seconds * requests
         if state.steps >= BLOCK_STEPS:
             self._end_block(state, load)
 
@@ -127,7 +146,7 @@ class SpeculationGuard:
         return mean, mean - CONFIDENCE_Z * sd, mean + CONFIDENCE_Z * sd
 
     def noise(self) -> float:
-        """A block's standard deviation in log rate, as measured (pooled over every bucket)."""
+        """A pair's standard deviation in log rate ratio, as measured (pooled over every bucket)."""
         return math.sqrt(self._noise[0] / self._noise[1])
 
     def state(self, load: int) -> BucketState:
@@ -136,58 +155,87 @@ class SpeculationGuard:
         state = self._buckets.get(bucket)
         if state is None:  # (created once per bucket: the model's view is its first arm)
             prior = self.prior(load) if self.prior is not None else None
-            first = prior is None or prior >= 0
-            state = self._buckets[bucket] = BucketState(in_force=first, running=first, prior=prior, settle=SETTLE_STEPS)
+            first = prior is not None and prior >= 0
+            state = self._buckets[bucket] = BucketState(in_force=first, running=first, prior=prior, settle=BLOCK_STEPS)
         return state
 
     def _end_block(self, state: BucketState, load: int) -> None:
         seconds_rows, tokens = self._prompt_price
         per_token = seconds_rows / tokens if tokens else 0.0  # request-seconds of prompt rows per token
-        value = math.log(max(state.tokens, 1e-9) / (max(state.request_seconds, 1e-12) + state.tokens * per_token))
-        arm = state.arms[state.running]
-        if arm.weight > 0:  # its scatter about the arm's mean so far (that mean's own error taken out)
-            residual = (value - arm.mean) ** 2 / (1 + 1 / arm.weight)
-            self._noise = [DISCOUNT * self._noise[0] + residual, DISCOUNT * self._noise[1] + 1.0]
-        for stats in state.arms.values():
+        tokens, request_seconds = (state.tokens, state.request_seconds) if state.tokens else state.mixed
+        value = math.log(max(tokens, 1e-9) / (max(request_seconds, 1e-12) + tokens * per_token))
+        state.arms[state.running].add(value, state.steps)
+        for stats in (*state.arms.values(), state.pairs):
             stats.weight *= DISCOUNT
-        arm.add(value, state.steps)
-        if state.running != state.in_force:
+        if state.running != state.in_force:  # an explored block: its pair completes with the next block
             state.explored += 1
-            in_force = state.arms[state.in_force]
-            shortfall = max(0.0, 1.0 - math.exp(value - in_force.mean)) if in_force.weight else 0.0
-            state.explore_cost += state.block_seconds * max(shortfall, 1.0 / BLOCK_STEPS)
+            # (an arm expected to be the better one earns back what it gains: its readings are cheap)
+            if state.pairs.blocks >= FREE_PAIRS:
+                state.explore_cost = max(0.0, state.explore_cost + state.block_seconds * self._expected_shortfall(state))
+            state.pending = (state.running, value, state.before)
+        else:
+            if state.pending is not None:
+                self._add_pair(state, value)
+            state.before = value
+        state.step_seconds = state.block_seconds / max(state.block_steps, 1)
         state.tokens = state.request_seconds = state.block_seconds = 0.0
-        state.steps = 0
+        state.mixed = [0.0, 0.0]
+        state.steps = state.block_steps = 0
         if self.prior is not None:
             state.prior = self.prior(load)
         mean, sd = self._posterior(state)
         if abs(mean) > CONFIDENCE_Z * sd and (mean > 0) != state.in_force:
             state.in_force = mean > 0
             state.switches += 1
+            state.pending, state.before = None, None  # (the neighbours now belong to the other arm)
         self._run(state, self._next_arm(state))
+
+    def _add_pair(self, state: BucketState, after: float) -> None:
+        """One reading of ``d``: the explored block against the mean of its in-force neighbours."""
+        arm, explored, before = state.pending
+        state.pending = None
+        reference = after if before is None else (before + after) / 2
+        reading = explored - reference if arm else reference - explored
+        pairs = state.pairs
+        if pairs.weight > 0:  # its scatter about the mean so far (that mean's own error taken out)
+            residual = (reading - pairs.mean) ** 2 / (1 + 1 / pairs.weight)
+            self._noise = [DISCOUNT * self._noise[0] + residual, DISCOUNT * self._noise[1] + 1.0]
+        pairs.add(reading, 0)
 
     def _next_arm(self, state: BucketState) -> bool:
         other = not state.in_force
-        if state.arms[other].blocks == 0:
-            return other  # never measured here: measured once, whatever the budget
-        if not self._data_separated(state) and state.explore_cost <= EXPLORE_BUDGET * state.seconds:
+        if state.running == other:
+            return state.in_force  # an exploration is one block, between two of the arm in force
+        if state.pairs.blocks + (state.pending is not None) < FREE_PAIRS:
+            return other  # a bucket's first readings, whatever the budget
+        if not self._data_confirm(state) and state.explore_cost <= EXPLORE_BUDGET * state.seconds:
             return other
         return state.in_force
 
     def _run(self, state: BucketState, arm: bool) -> None:
         if arm != state.running:
-            state.running, state.settle = arm, SETTLE_STEPS
+            first = state.arms[arm].blocks == 0
+            if arm != state.in_force and state.pairs.blocks >= FREE_PAIRS:
+                state.explore_cost += 2 * state.step_seconds  # its way in and out: about a step each
+            # an arm's first run at a bucket meets new step shapes: a whole block settles
+            state.running, state.settle = arm, BLOCK_STEPS if first else SETTLE_STEPS
+
+    def _expected_shortfall(self, state: BucketState) -> float:
+        """How far the arm not in force falls short of the one in force, as the posterior has it
+        (negative: it is expected to be the faster one)."""
+        mean, sd = self._posterior(state)
+        if not math.isfinite(sd):
+            return 0.0
+        return 1.0 - math.exp(mean if state.in_force is False else -mean)
 
     def _data_variance(self, state: BucketState) -> float | None:
-        plain, spec = state.arms[False], state.arms[True]
-        if plain.weight <= 0 or spec.weight <= 0:
-            return None
-        return self.noise() ** 2 * (1 / plain.weight + 1 / spec.weight)
+        return None if state.pairs.weight <= 0 else self.noise() ** 2 / state.pairs.weight
 
-    def _data_separated(self, state: BucketState) -> bool:
+    def _data_confirm(self, state: BucketState) -> bool:
+        """Whether the readings alone put the arm in force ahead, beyond their interval."""
         var = self._data_variance(state)
-        gap = state.arms[True].mean - state.arms[False].mean
-        return var is not None and abs(gap) > CONFIDENCE_Z * math.sqrt(var)
+        lead = state.pairs.mean if state.in_force else -state.pairs.mean
+        return var is not None and lead > CONFIDENCE_Z * math.sqrt(var)
 
     def _posterior(self, state: BucketState) -> tuple[float, float]:
         precision = total = 0.0
@@ -196,7 +244,7 @@ class SpeculationGuard:
         var = self._data_variance(state)
         if var is not None:
             precision += 1 / var
-            total += (state.arms[True].mean - state.arms[False].mean) / var
+            total += state.pairs.mean / var
         if precision == 0:
             return 0.0, math.inf
         return total / precision, precision ** -0.5
@@ -207,7 +255,8 @@ class SpeculationGuard:
         out = {}
         for bucket, state in sorted(self._buckets.items()):
             entry = out[str(2 ** bucket)] = {"arm": "speculative" if state.in_force else "plain",
-                                             "switches": state.switches, "explored_blocks": state.explored}
+                                             "switches": state.switches, "explored_blocks": state.explored,
+                                             "pairs": state.pairs.blocks}
             for speculative, stats in state.arms.items():
                 if stats.blocks:
                     entry["speculative" if speculative else "plain"] = {

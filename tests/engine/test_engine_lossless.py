@@ -74,6 +74,8 @@ class Run:
     seeded: dict[str, list[list[int]]] = field(default_factory=dict)  # alone / together
     edge: dict = field(default_factory=dict)  # seeded_at_the_budget_edge
     adaptive: dict = field(default_factory=dict)  # DepthController.summary() at the end
+    step_log: list = field(default_factory=list)  # AdaptiveScheduler.prove_step_log() over the greedy runs
+    step_log_decisions: int = 0  # the controller's decisions meanwhile
     fetches: dict = field(default_factory=dict)  # ProveWorker.prove_draft_fetches() at the end
     drafts: list = field(default_factory=list)  # ProveWorker.prove_record_drafts(): (context, drafts, caught up)
 
@@ -135,7 +137,11 @@ def lossless(cases, plain, zoo_models) -> Run:  # `plain` first: one engine at a
     with engine(speculative_config=LOSSLESS_SPECULATIVE_CONFIG, **PER_REQUEST_METRICS) as llm:
         run.probe = llm.collective_rpc("prove_probe")[0]
         run.abort = abort_mid_generation(llm, cases)  # the greedy runs then show it keeps serving
+        llm.collective_rpc("prove_step_log", args=(True,))
+        steps_before = llm.collective_rpc("prove_adaptive_summary")[0]["steps"]
         _greedy_runs(llm, cases, run)
+        run.step_log = llm.collective_rpc("prove_step_log", args=(False,))[0]
+        run.step_log_decisions = llm.collective_rpc("prove_adaptive_summary")[0]["steps"] - steps_before
         # (the plug-in's executor answers the summary from the scheduler as of the call: it has
         # seen every verification vLLM's counters have)
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
@@ -291,6 +297,23 @@ def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless)
     one = summary["realized"]["1"]
     assert one["model_ratio"] > 1.4 and one["arm"] == "speculative" and one["switches"] == 0
     assert one["speculative"]["steps"] >= 100
+
+
+def test_the_step_log_records_every_step_the_controller_observes(lossless):
+    """``prove_step_log``: one row per step (the traces of the guard's replay tests come from it)."""
+    from vllm_prove.engine.adaptive import STEP_LOG_COLUMNS
+
+    rows = lossless.step_log
+    assert rows and all(len(row) == len(STEP_LOG_COLUMNS) for row in rows)
+    col = {name: [row[i] for row in rows] for i, name in enumerate(STEP_LOG_COLUMNS)}
+    assert all(s > 0 for s in col["seconds"]) and set(col["load"]) >= {1, IN_FLIGHT}
+    decoding = [c for c in col["committed"] if c >= 0]
+    # a row per decoding step the controller decided (a step that only admits prompts has -1)
+    assert abs(len(decoding) - lossless.step_log_decisions) <= 1
+    # a step commits at least one token per decoding request and at most the whole window each
+    assert all(1 <= c <= r * (BLOCK_SIZE + 1) for c, r in zip(col["committed"], col["requests"]) if c >= 0)
+    spec = [r for r, s in zip(col["draft_depth"], col["spec_requests"]) if r or s]
+    assert spec, "the default engine speculated in no step"
 
 
 def test_plain_greedy_is_batch_invariant_here(plain, cases, zoo_models):

@@ -47,7 +47,10 @@ spec-decode counters carry the mean verify depth (``num_draft_tokens / num_draft
 call: the plug-in's executors answer it from this scheduler (``executor.serve_summary``); on any
 other executor (Ray) every ``SchedulerOutput`` carries ``DepthController.step_summary()`` to the
 workers (attribute ``SUMMARY_ATTR``; the decision counts current, the estimates refreshed every
-16 steps), which answer with the latest.
+16 steps), which answer with the latest. ``LLM.collective_rpc("prove_step_log", args=(True,))``
+(the plug-in's executors only) starts a log of every observed step's load, shape, cycle and
+committed tokens (``STEP_LOG_COLUMNS``) and returns the rows since the last call: traces for a
+replay of the controller (``scripts/record_step_traces.py``, ``tests/core/traces/``).
 
 A plain step's own work here is kept to a few dict lookups per request: on the CPU the engine
 core's Python runs cold after every model pass, and at 32 in flight each 0.05 ms of it is ~1% of
@@ -72,6 +75,9 @@ from vllm_prove.engine.settings import engine_settings
 logger = init_logger(__name__)
 LOG_EVERY_S = 30.0
 SUMMARY_ATTR = "prove_adaptive_summary"  # SchedulerOutput attribute read by the ProVe workers
+# the fields of a ``prove_step_log`` row
+STEP_LOG_COLUMNS = ("load", "requests", "rows", "spec_requests", "draft_depth", "draft_passes", "draft_rows",
+                    "draft_requests", "prefill_rows", "seconds", "committed")
 
 
 class AdaptiveScheduler(WholeSeededSteps, Scheduler):
@@ -105,6 +111,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self._window_seconds = 0.0  # while the workers run a step (``get_grammar_bitmask``)
         self._loop_gap_ms: float | None = None  # the engine's time between a step's update and the next step (EWMA)
         self._ship_summary = not serve_summary(self)  # (an executor of the plug-in's asks this scheduler)
+        self._step_log: list | None = None  # one row per observed step while on (``prove_step_log``)
 
     def schedule(self, *args, **kwargs):
         self._step_start = start = time.perf_counter()
@@ -158,6 +165,15 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         step: measuring) and ``loop_gap_ms`` (the engine's time between a step's end and the next
         step)."""
         return self.depth.summary(refit=False) | self._timings()
+
+    def prove_step_log(self, on: bool = True) -> list | None:
+        """Record one row per observed step (``STEP_LOG_COLUMNS``: the load it was decided at, its
+        shape, its cycle in seconds and the tokens it committed, -1 for none) for a trace-replay
+        simulator (``scripts/record_step_traces.py``); returns what was recorded so far and, with
+        ``on`` False, stops (as ``ProveWorker.prove_record_drafts``)."""
+        records = self._step_log
+        self._step_log = [] if on else None
+        return records
 
     def _timings(self) -> dict:
         steps = max(1, self.depth.steps)
@@ -215,6 +231,10 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         shape, committed, load, decided, step_start, step_end = self._pending
         self._pending = self._pending_end = None
         self.depth.observe_step(shape, end - step_start, committed, load, step=decided)
+        if self._step_log is not None:
+            self._step_log.append([load, shape.requests, shape.rows, shape.spec_requests, shape.draft_depth,
+                                   shape.draft_passes, shape.draft_rows, shape.draft_requests, shape.prefill_rows,
+                                   round(end - step_start, 6), committed if committed is not None else -1])
         if end > step_end:  # (a step before the engine idles has no gap to measure)
             gap_ms, last = 1000 * (end - step_end), self._loop_gap_ms
             self._loop_gap_ms = gap_ms if last is None else 0.99 * last + 0.01 * gap_ms

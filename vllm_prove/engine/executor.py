@@ -21,6 +21,9 @@ process, where the scheduler runs: these executors answer it from the engine's
 asking the workers. An engine on another executor gets it from its workers, which keep the
 summary the scheduler attaches to every step's ``SchedulerOutput`` (built, sent and read every
 step: ~0.03 ms of the engine core's time and a few hundred bytes per step that ours save).
+``LLM.collective_rpc("prove_step_log", args=(on,))`` is answered the same way, from the
+scheduler's per-step log (``AdaptiveScheduler.prove_step_log``; these executors only: the
+workers have no such log).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 SUMMARY_RPC = "prove_adaptive_summary"
+STEP_LOG_RPC = "prove_step_log"
 _schedulers: dict[int, weakref.ref] = {}  # id(the engine's VllmConfig) -> its AdaptiveScheduler
 
 
@@ -50,11 +54,17 @@ class SkipPlainDraftFetch:
     _prove_step_drafted = True  # until the first step says otherwise
 
     def collective_rpc(self, method, *args, **kwargs):
-        if method == SUMMARY_RPC and not kwargs.get("non_block") and len(args) < 4:
+        if method in (SUMMARY_RPC, STEP_LOG_RPC) and not kwargs.get("non_block") and len(args) < 4:
             ref = _schedulers.get(id(self.vllm_config))
             scheduler = ref() if ref is not None else None
             if scheduler is not None:  # (one answer per worker, as the workers would give)
-                return [scheduler.prove_adaptive_summary()] * self.vllm_config.parallel_config.world_size
+                if method == SUMMARY_RPC:
+                    answer = scheduler.prove_adaptive_summary()
+                else:  # the RPC's own args and kwargs: (timeout, args, kwargs) as EngineCore passes them
+                    rpc_args = args[1] if len(args) > 1 else kwargs.get("args")
+                    rpc_kwargs = args[2] if len(args) > 2 else kwargs.get("kwargs")
+                    answer = scheduler.prove_step_log(*(rpc_args or ()), **(rpc_kwargs or {}))
+                return [answer] * self.vllm_config.parallel_config.world_size
         return super().collective_rpc(method, *args, **kwargs)
 
     def execute_model(self, scheduler_output, non_block: bool = False):

@@ -59,11 +59,12 @@ def solve(
     fixed, own = step_costs(batch, width, kind, tuple(cost.coefficients().tolist()))
     rows = np.arange(batch)
     choice = np.zeros((width, batch), dtype=np.int64)  # [D, batch]: start from verifying nothing
-    rate = E[rows[None, :], choice].sum(axis=1) / (fixed + own[choice].sum(axis=1))
+    tiny = 1e-12  # (a fit that prices a step at 0 s: a huge rate, never a division by zero)
+    rate = E[rows[None, :], choice].sum(axis=1) / np.maximum(fixed + own[choice].sum(axis=1), tiny)
     for _ in range(MAX_DINKELBACH_ITERS):
         score = np.where(ok, E[None] - rate[:, None, None] * own[None, None, :], -np.inf)
         new = score.argmax(axis=-1)  # [D, batch]: the first (shortest) of the maxima
-        new_rate = E[rows[None, :], new].sum(axis=1) / (fixed + own[new].sum(axis=1))
+        new_rate = E[rows[None, :], new].sum(axis=1) / np.maximum(fixed + own[new].sum(axis=1), tiny)
         improved = new_rate > rate + 1e-12
         if not improved.any():
             break

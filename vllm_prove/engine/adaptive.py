@@ -23,7 +23,7 @@ applies. Per step:
    0.5-1.4 ms a speculative one with the fetch, reported as ``loop_gap_ms``; the last step
    before the engine idles ends at its ``update_from_output``), with its shape (requests,
    target rows, drafter passes and rows) and the tokens it committed -> the online cost fit and
-   the throughput guard; each verification's drafted and accepted counts -> the acceptance
+   the speculation guard; each verification's drafted and accepted counts -> the acceptance
    estimates (at once, in ``update_from_output``). The step's observation is fed in
    ``get_grammar_bitmask``, which ``EngineCore.step`` calls between sending a step to the workers
    and waiting for its result (``core.py:668-674``): the engine core would spend that time
@@ -54,7 +54,7 @@ replay of the controller (``scripts/record_step_traces.py``, ``tests/core/traces
 
 A plain step's own work here is kept to a few dict lookups per request: on the CPU the engine
 core's Python runs cold after every model pass, and at 32 in flight each 0.05 ms of it is ~1% of
-a plain step (docs/BENCHMARKS.md, session 17).
+a plain step on the CPU.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
                                  extra_rows=extra_rows, spec_requests=sum(1 for d in spec.values() if d))
             committed = None
             if sampled and self._plan.depths:
-                # what a step with decoding requests committed feeds the throughput guard (prefill
+                # what a step with decoding requests committed feeds the speculation guard (prefill
                 # chunks riding along included); a step that only prefills (a prompt admitted to an
                 # idle engine) costs the same in either regime and feeds only the cost fit
                 committed = sum(map(len, sampled))  # (one entry per scheduled request, as req_id_to_index)
@@ -260,7 +260,7 @@ class PlainStepRunnerMixin:
     ``execute_model`` and ``sample_tokens``, the switch vLLM reads for every speculative piece of
     a step (spec-decode metadata and logits indices, ``gpu_model_runner.py:2184``; the rejection
     sampler; the drafter and its draft copy, l.4378). A speculative engine otherwise pays about
-    0.3 ms of a 8.7 ms plain step at 16 in flight on the CPU (docs/BENCHMARKS.md, session 13).
+    0.3 ms of a 8.7 ms plain step at 16 in flight on the CPU.
     Not for hybrid (Mamba-style) models: their recurrent state reads a speculative offset even on
     a step without drafts (l.1555, l.2211).
 

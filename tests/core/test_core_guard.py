@@ -141,3 +141,26 @@ def test_buckets_are_loads_of_up_to_a_power_of_two_and_summaries_are_json_ready(
     assert entry["started"] == "plain" and entry["switches"] == 0
     assert entry["arm"] == "plain" and entry["model_ratio"] == pytest.approx(math.exp(-0.5), abs=1e-3)
     assert entry["ratio_interval"][0] < entry["ratio"] < entry["ratio_interval"][1] < 1
+
+
+def test_a_bucket_met_before_the_model_can_tell_takes_the_models_arm_when_it_can():
+    """A fresh engine meets its first load a step or two before the cost fit has its terms: plain
+    decoding is a placeholder there, replaced by the model's arm at the first block end at which
+    the model predicts, even a weak lead that would not clear the interval on its own."""
+    calls = []
+
+    def prior(load):
+        calls.append(load)
+        return None if len(calls) < 2 else 0.25  # (1.28x: inside 2 * MODEL_SPREAD)
+
+    guard = SpeculationGuard(prior=prior)
+    assert not guard.speculates(1)  # (the model cannot tell yet)
+    arms, _ = drive(guard, 100, 128, 600, sigma=0.05)
+    entry = guard.summary()["1"]
+    assert entry["started"] == entry["arm"] == "speculative" and entry["switches"] == 0
+    assert arms[3 * BLOCK_STEPS:].mean() > 0.9
+    # a placeholder is replaced only while no reading is against it: a bucket whose model speaks
+    # after its first pairs keeps what the readings and the prior say together
+    late = SpeculationGuard(prior=lambda load, n=[0]: (n.__setitem__(0, n[0] + 1), None if n[0] < 8 else 0.25)[1])
+    drive(late, 100, 60, 300, sigma=0.05)
+    assert late.summary()["1"]["started"] == "plain" and not late.state(1).in_force

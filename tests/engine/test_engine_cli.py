@@ -12,7 +12,7 @@ from vllm_prove.config import Method
 from vllm_prove.core.adaptive import COST_TERMS
 from vllm_prove.eval import engine_bench
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 MAX_TOKENS = 20
 NUM_PROMPTS = 12

@@ -31,7 +31,7 @@ from engine_support import (
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.engine import metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 MODES = {"verifier": (Method.PROVE, THETA), "mars": (Method.MARS, TAU)}
 

@@ -31,7 +31,7 @@ from engine_support import (
 
 from vllm_prove.config import DecodeConfig, Method
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 GAMMA, STEPS = 16, 2  # the zoo drafter's training setting
 SKIP = {"k_min": 2, "s_max": 6, "eta_b": 0.5, "eta_c": 0.6}  # permissive: skips in most requests

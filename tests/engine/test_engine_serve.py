@@ -18,7 +18,7 @@ from engine_support import ENGINE_KWARGS, PROPOSER, ZOO, prove_config
 
 from vllm_prove.engine import metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 STARTUP_TIMEOUT_S = 240
 

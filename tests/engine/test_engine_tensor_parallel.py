@@ -15,7 +15,7 @@ from engine_support import BLOCK_SIZE, THETA, VERIFIER, explain_gated_divergence
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.engine.generate import drive, engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 TP = 2
 MAX_TOKENS = 24

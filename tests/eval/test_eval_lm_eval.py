@@ -11,7 +11,7 @@ import sys
 import pytest
 from eval_support import write_lm_eval_task
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 MAX_TOKENS = 16
 

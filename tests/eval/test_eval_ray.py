@@ -12,7 +12,7 @@ import pytest
 
 from vllm_prove.eval import runner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 TASKS = ["humaneval", "heldout"]
 LIMIT = 3

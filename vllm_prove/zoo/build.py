@@ -64,7 +64,7 @@ DRAFTER_GAMMAS = (8, 16, 32)  # the drafter trains on all three: the SDD sweeps 
 DRAFTER_GAMMA, DRAFTER_STEPS = 16, 2  # the zoo's SDD default (configs/tiny.json) and its diagnostic
 # Dream-style shifted logits: the AR weights it starts from already predict p from p - 1, so the
 # first draft token is the AR prediction and the rest keep that alignment. Measured (200 steps,
-# zoo of session 3, strict SDD, gamma 16, T 2): 6.54 tokens per round shifted, 3.37 unshifted.
+# an earlier build of the zoo, strict SDD, gamma 16, T 2): 6.54 tokens per round shifted, 3.37 unshifted.
 DRAFTER_SHIFT = True
 
 

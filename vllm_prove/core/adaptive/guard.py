@@ -80,7 +80,7 @@ class BucketState:
     before: float | None = None  # the in-force arm's last block value (a pair's first neighbour)
     pending: tuple | None = None  # (explored arm, its block value, the block before), awaiting the block after
     prior: float | None = None  # the model's log ratio when last asked
-    started: bool = False  # the arm the bucket began with (the model's, or plain before a fit)
+    started: bool = False  # the bucket's first arm: the model's (plain until the model can tell)
     switches: int = 0
     explored: int = 0  # blocks run on the arm not in force
 
@@ -104,7 +104,8 @@ class SpeculationGuard:
 
     def speculates(self, load: int) -> bool:
         """The arm the bucket of ``load`` runs now (a bucket met for the first time starts with
-        the arm the model predicts, plain decoding where it cannot tell yet)."""
+        the arm the model predicts; where it cannot tell yet, plain decoding until the first block
+        ends at which it can, when the model's arm takes over)."""
         return self.state(load).running
 
     def observe(self, load: int, speculative: bool, committed: int | None, seconds: float, requests: int,
@@ -179,7 +180,12 @@ class SpeculationGuard:
         state.mixed = [0.0, 0.0]
         state.steps = state.block_steps = 0
         if self.prior is not None:
-            state.prior = self.prior(load)
+            told, state.prior = state.prior is not None, self.prior(load)
+            if not told and state.prior is not None and not state.pairs.blocks and state.pending is None:
+                # a bucket met before the model could tell ran plain as a placeholder, not a decision:
+                # the model's arm is its first one
+                state.in_force = state.started = state.prior >= 0
+                state.before = None
         mean, sd = self._posterior(state)
         if abs(mean) > CONFIDENCE_Z * sd and (mean > 0) != state.in_force:
             state.in_force = mean > 0

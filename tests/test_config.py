@@ -55,8 +55,11 @@ def test_sdd_and_train_configs_reject():
 @pytest.mark.parametrize("name", ["tiny", "paper-32b-3b", "paper-sdd-diffucoder"])
 def test_presets_validate(name):
     preset = load_preset(name)
-    DecodeConfig(**preset["decode"])
-    TrainConfig(**preset.get("train", {}))
+    for model, fields in ((DecodeConfig, preset["decode"]), (TrainConfig, preset.get("train", {}))):
+        config = model(**fields)  # (validates: a preset out of range fails here)
+        for key, value in fields.items():  # every field is read as written, none ignored or renamed
+            read = getattr(config, key)
+            assert getattr(read, "value", read) == value, (name, key)
 
 
 def test_unknown_preset_lists_known():
@@ -67,3 +70,22 @@ def test_unknown_preset_lists_known():
 def test_config_round_trips_json():
     cfg = DecodeConfig(method="prove", theta=0.05, gate="verifier")
     assert DecodeConfig(**json.loads(cfg.model_dump_json())) == cfg
+
+
+def test_self_distillation_defaults_to_the_recommended_teacher_anchor():
+    """One default, stated once: `--self-distill` without `--anchor` is teacher-anchored (the
+    recipe the README recommends and the zoo was built with); without self-distillation there
+    is no teacher, and the clean copy is CE on the data."""
+    assert TrainConfig().resolved_anchor(self_distill=True) == "teacher"
+    assert TrainConfig().resolved_anchor(self_distill=False) == "self"
+    assert TrainConfig(anchor="self").resolved_anchor(self_distill=True) == "self"
+
+
+def test_the_sdd_block_has_one_default_for_the_cli_and_the_engine():
+    """Mode `sdd` through additional_config drafts the CLI's gamma unless told otherwise; the
+    ProVe modes keep B."""
+    from vllm_prove.config import ProveEngineConfig
+
+    assert ProveEngineConfig(mode="sdd", drafter="d").block_size == DecodeConfig().gamma == 16
+    assert ProveEngineConfig(mode="sdd", drafter="d", block_size=32).block_size == 32
+    assert ProveEngineConfig(mode="lossless").block_size == DecodeConfig().block_size == 8

@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument("--anchor", choices=("self", "teacher"),
                            help="self-distill: `teacher` keeps the starting model's AR behaviour (KL anchor) "
                                 "and has it write every round's targets; `self` refreshes targets from the "
-                                "current model (default: the config's)")
+                                "current model (default: teacher, the recommended recipe)")
             t.add_argument("--block-size-mix", type=int, nargs="+", help="draw each step's block size from these")
         elif name == "diffusion":
             t.add_argument("--target", help="AR target whose greedy continuations of --data the drafter learns")

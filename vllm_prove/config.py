@@ -143,11 +143,12 @@ class TrainConfig(_Strict):
     soft_weight: float = Field(0.0, ge=0.0, le=1.0)
     """Self-distillation: share of the block loss that is KL to the teacher's next-token
     distribution (0 = hard greedy targets only; needs a teacher)."""
-    anchor: Literal["self", "teacher"] = "self"
+    anchor: Literal["self", "teacher"] | None = None
     """Self-distillation, clean-copy term: `self` = CE on the targets (the AR behaviour follows
     the data); `teacher` = KL to the frozen starting model at every position, and that model
     writes every round's targets (calibrated: the fine-tuned model keeps the teacher's greedy
-    output and its likelihood of real text)."""
+    output and its likelihood of real text). None: `teacher` under self-distillation (the
+    recommended recipe, the zoo's), `self` otherwise (`resolved_anchor`)."""
     lr: float = Field(1e-3, gt=0.0, le=1.0)
     """Peak AdamW learning rate (cosine decay to 10%)."""
     weight_decay: float = Field(0.1, ge=0.0)
@@ -161,6 +162,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     checkpoint_every: int = Field(200, ge=1)
     """Steps between checkpoints (model + optimizer + RNG); `--resume` continues from the last."""
+
+    def resolved_anchor(self, self_distill: bool) -> str:
+        return self.anchor or ("teacher" if self_distill else "self")
 
     @model_validator(mode="after")
     def _block_mix_in_range(self) -> "TrainConfig":
@@ -239,7 +243,7 @@ class ProveEngineConfig(_Strict):
     plain decoding (a load that must speculate, whatever it measures); `random`: depths drawn at
     random every step (a diagnostic: exact modes must not change their output); `plain`: depth 0
     every step (a diagnostic: what the engine costs with speculation idle)."""
-    # -- mode sdd (docs/METHODS.md §7): block_size is gamma, the drafted block ---------------
+    # -- mode sdd (docs/METHODS.md §7): block_size is gamma, the drafted block (default: gamma's)
     drafter: str | None = _DECODE_FIELDS["drafter"]
     """Diffusion drafter folder (`mode=sdd`; `diffusion_drafter` in its config.json says its kind)."""
     steps: int = _DECODE_FIELDS["steps"]
@@ -256,6 +260,15 @@ class ProveEngineConfig(_Strict):
     s_max: int = _DECODE_FIELDS["s_max"]
     eta_b: float = _DECODE_FIELDS["eta_b"]
     eta_c: float = _DECODE_FIELDS["eta_c"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sdd_block_is_gamma(cls, data):
+        """Mode `sdd` drafts a block of gamma tokens: unset, it is `DecodeConfig.gamma`'s default
+        (the CLI's), not the ProVe block size B."""
+        if isinstance(data, dict) and str(getattr(data.get("mode"), "value", data.get("mode"))) == "sdd":
+            data = {"block_size": _DECODE_FIELDS["gamma"].default, **data}
+        return data
 
     @model_validator(mode="after")
     def _verifier_only_in_verifier_mode(self) -> "ProveEngineConfig":

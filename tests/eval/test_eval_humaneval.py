@@ -45,12 +45,12 @@ def test_timeout_is_enforced_and_kills_the_program(problems, tmp_path):
     marker = tmp_path / "still-running"
     hang = (f"    import os, time\n    if os.fork() == 0:\n        time.sleep(3)\n        open({str(marker)!r}, 'w')\n"
             "    while True:\n        pass\n")
-    start = time.perf_counter()
     outcome = humaneval.run_program(humaneval.program(problems[0], hang), timeout=1.0)
     assert outcome == humaneval.Outcome(False, "timed out")
-    assert time.perf_counter() - start < 3.0
     time.sleep(3.5)
-    assert not marker.exists()  # the whole process group was killed, the forked child too
+    # the whole process group was killed at the timeout, the forked child too (a harness that
+    # waited for the child's 3 s, or killed only the program, leaves the marker)
+    assert not marker.exists()
 
 
 def test_programs_are_isolated_from_the_harness(problems, tmp_path):

@@ -50,6 +50,7 @@ def train_mars(*, model: str, data: str, out: str, resume: bool = False, propose
     tok, lm = _load(model)
     mask_id = ensure_mask_token(tok, lm)
     cfg = TrainConfig(**{**FINETUNE_DEFAULTS, **overrides, "objective": "mars"})
+    cfg = cfg.model_copy(update={"anchor": cfg.resolved_anchor(self_distill)})
     ds = load_dataset(data, tok, cfg.seq_len)
     if self_distill:
         from vllm_prove.train.distill import self_distill_mars

@@ -40,6 +40,7 @@ def test_generate_writes_the_contract(tmp_path, prompt_files, method):
         assert {"verifier_calls", "draft_blocks", "verifier_calls_per_token", "gamma", "steps"} <= set(s)
 
 
+@pytest.mark.slow
 def test_sdd_traces_train_survival_and_permutation(tmp_path, heldout_prompts, capsys):
     """generate --trace-features -> train survival -> sdd-skip with each learned signal ->
     analyze permutation, through the CLI as a user runs it."""

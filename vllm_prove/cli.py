@@ -227,10 +227,8 @@ def cmd_serve(args) -> int:
     return serve.main(["serve", *args.vllm_args]) or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-prove", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    _add_decode_args(sub.add_parser("generate", help="decode a prompt file"))
+def _add_bench_parsers(sub) -> None:
+    """`bench` and `demo`: every method side by side."""
     for name, n, tokens, bss in (("bench", 64, 48, [1, 4, 16]), ("demo", 16, 32, [1, 4, 16])):
         b = sub.add_parser(name, help="side-by-side table of every method on the zoo" if name == "bench"
                            else "the main job on the embedded zoo: every method inside vLLM, side by side")
@@ -250,10 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--block-sizes", type=int, nargs="+", default=[],
                        help="vllm: also lossless and ProVe theta=0.1 at these block sizes (the B sweep)")
         b.add_argument("--out", default=f"runs/{name}", help="folder for bench.json (and bench.png)")
-    _add_eval_parsers(sub)
+
+
+def _add_serve_parser(sub) -> None:
+    """`serve`: vLLM's OpenAI server with the plug-in."""
     serve = sub.add_parser("serve", help="vLLM's OpenAI server with ProVe: vllm-prove serve MODEL "
                            "--additional-config '{\"prove\": {...}}' [any vllm serve flag]")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")
+
+
+def _add_zoo_parsers(sub) -> None:
+    """`zoo`: build, evaluate and inspect the tiny models; materialize the real checkpoint."""
     zoo = sub.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_cmd", required=True)
     build = zoo.add_parser("build", help="train the zoo (~80 min on 2 cores)")
     build.add_argument("--scale", choices=["full", "smoke"], default="full")
@@ -278,38 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--num", type=int, default=64)
     prompts.add_argument("--seed", type=int, default=0)
     prompts.add_argument("--out", required=True, help="output .jsonl")
+
+
+def _add_train_parsers(sub) -> None:
+    """`train`: MARS proposer, verifier, diffusion drafter, survival predictors."""
     train = sub.add_parser("train", help="training recipes").add_subparsers(dest="train_cmd", required=True)
     surv = train.add_parser("survival", help="survival predictors (marginal, conditional) from strict-SDD traces")
     surv.add_argument("--traces", required=True, help="`generate --method sdd --trace-features` output (.pt or folder)")
     surv.add_argument("--signal", choices=["marginal", "conditional", "both"], default="both")
     surv.add_argument("--epochs", type=int, default=15)
     surv.add_argument("--out", required=True, help="folder for marginal.pt / conditional.pt and report.json")
-    sweep = sub.add_parser("sweep", help="parameter sweeps").add_subparsers(dest="sweep_cmd", required=True)
-    sdd_sweep = sweep.add_parser("sdd", help="the SDD-skipping paper's grids (reference engine or vLLM), with frontier plots")
-    sdd_sweep.add_argument("--prompts", help="evaluation prompts (default: the zoo's held-out prompts)")
-    sdd_sweep.add_argument("--num-prompts", type=int, default=64)
-    sdd_sweep.add_argument("--num-train-prompts", type=int, default=128,
-                           help="training-corpus prompts whose strict-SDD traces train the survival predictors")
-    sdd_sweep.add_argument("--max-tokens", type=int, default=64)
-    sdd_sweep.add_argument("--batch-size", type=int, default=8)
-    sdd_sweep.add_argument("--gamma", type=int)
-    sdd_sweep.add_argument("--steps", type=int)
-    sdd_sweep.add_argument("--proposer", help="the AR target (default: the zoo's proposer)")
-    sdd_sweep.add_argument("--drafter", help="diffusion drafter (default: the zoo's)")
-    sdd_sweep.add_argument("--families", nargs="+", choices=["lenience", "topk", "raw", "marginal", "conditional"])
-    sdd_sweep.add_argument("--quick", action="store_true", help="every third setting of each grid")
-    sdd_sweep.add_argument("--engine", choices=["reference", "vllm"], default="reference",
-                           help="vllm: every setting on its own vLLM engine (mode sdd), --batch-size requests in flight")
-    sdd_sweep.add_argument("--out", default="runs/sweep-sdd")
-    analyze = sub.add_parser("analyze", help="diagnostics").add_subparsers(dest="analyze_cmd", required=True)
-    perm = analyze.add_parser("permutation", help="permutation diagnostic of a skip signal (docs/METHODS.md §7)")
-    perm.add_argument("--traces", required=True, help="`generate --method sdd --trace-features` output")
-    perm.add_argument("--signal", choices=["raw", "marginal", "conditional"], default="raw")
-    perm.add_argument("--survival", help="with a survival signal: folder of `vllm-prove train survival`")
-    perm.add_argument("--eta-b", type=float, default=0.90)
-    perm.add_argument("--eta-c", type=float, default=0.93)
-    perm.add_argument("--repeats", type=int, default=100)
-    perm.add_argument("--out", help="write the result as JSON here")
     for name, text in (("mars", "MARS block training of any HF causal LM"),
                        ("verifier", "fine-tune a verifier on proposer generations"),
                        ("diffusion", "block-diffusion drafter training of any HF causal LM (SDD)")):
@@ -344,6 +327,45 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument("--block-size-mix", type=int, nargs="+", help="draw each step's gamma from these")
         else:
             t.add_argument("--proposer", required=True, help="proposer whose generations train the verifier")
+
+
+def _add_sweep_parsers(sub) -> None:
+    """`sweep sdd` and `analyze permutation`."""
+    sweep = sub.add_parser("sweep", help="parameter sweeps").add_subparsers(dest="sweep_cmd", required=True)
+    sdd_sweep = sweep.add_parser("sdd", help="the SDD-skipping paper's grids (reference engine or vLLM), with frontier plots")
+    sdd_sweep.add_argument("--prompts", help="evaluation prompts (default: the zoo's held-out prompts)")
+    sdd_sweep.add_argument("--num-prompts", type=int, default=64)
+    sdd_sweep.add_argument("--num-train-prompts", type=int, default=128,
+                           help="training-corpus prompts whose strict-SDD traces train the survival predictors")
+    sdd_sweep.add_argument("--max-tokens", type=int, default=64)
+    sdd_sweep.add_argument("--batch-size", type=int, default=8)
+    sdd_sweep.add_argument("--gamma", type=int)
+    sdd_sweep.add_argument("--steps", type=int)
+    sdd_sweep.add_argument("--proposer", help="the AR target (default: the zoo's proposer)")
+    sdd_sweep.add_argument("--drafter", help="diffusion drafter (default: the zoo's)")
+    sdd_sweep.add_argument("--families", nargs="+", choices=["lenience", "topk", "raw", "marginal", "conditional"])
+    sdd_sweep.add_argument("--quick", action="store_true", help="every third setting of each grid")
+    sdd_sweep.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                           help="vllm: every setting on its own vLLM engine (mode sdd), --batch-size requests in flight")
+    sdd_sweep.add_argument("--out", default="runs/sweep-sdd")
+    analyze = sub.add_parser("analyze", help="diagnostics").add_subparsers(dest="analyze_cmd", required=True)
+    perm = analyze.add_parser("permutation", help="permutation diagnostic of a skip signal (docs/METHODS.md §7)")
+    perm.add_argument("--traces", required=True, help="`generate --method sdd --trace-features` output")
+    perm.add_argument("--signal", choices=["raw", "marginal", "conditional"], default="raw")
+    perm.add_argument("--survival", help="with a survival signal: folder of `vllm-prove train survival`")
+    perm.add_argument("--eta-b", type=float, default=0.90)
+    perm.add_argument("--eta-c", type=float, default=0.93)
+    perm.add_argument("--repeats", type=int, default=100)
+    perm.add_argument("--out", help="write the result as JSON here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-prove", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_decode_args(sub.add_parser("generate", help="decode a prompt file"))
+    for add in (_add_bench_parsers, _add_eval_parsers, _add_serve_parser, _add_zoo_parsers, _add_train_parsers,
+                _add_sweep_parsers):
+        add(sub)
     return parser
 
 

@@ -50,6 +50,7 @@ def test_version_mismatch_names_both_versions():
         check_vllm_version("0.33.1")
 
 
+@pytest.mark.engine
 def test_version_mismatch_stops_only_prove_engines():
     """With another vLLM version an engine that asks for ProVe is refused at config time, naming
     both versions; an engine that does not ask for it is left alone (the plug-in is a guest)."""
@@ -205,6 +206,7 @@ def _plain_config(plugins: str | None, order: str) -> dict:
     return json.loads(line[0][len("CONFIG "):])
 
 
+@pytest.mark.engine
 def test_engine_without_prove_is_plain_vllm_even_after_a_prove_engine():
     """The plug-in is a guest: an engine that did not ask for ProVe gets exactly the config
     vLLM gives it without the plug-in, also when a ProVe engine was configured earlier in the

@@ -21,6 +21,7 @@ def test_bundled_data_is_all_164_problems(problems):
     assert problems[0]["task_id"] == "HumanEval/0" and problems[-1]["task_id"] == "HumanEval/163"
 
 
+@pytest.mark.slow
 def test_every_reference_solution_passes(problems):
     outcomes = humaneval.check(problems, [p["canonical_solution"] for p in problems])
     assert [o.status for o in outcomes] == ["passed"] * 164
@@ -41,6 +42,7 @@ def test_broken_solutions_fail(problems):
     assert humaneval.pass_at_1(mixed) == 0.5
 
 
+@pytest.mark.slow
 def test_timeout_is_enforced_and_kills_the_program(problems, tmp_path):
     marker = tmp_path / "still-running"
     hang = (f"    import os, time\n    if os.fork() == 0:\n        time.sleep(3)\n        open({str(marker)!r}, 'w')\n"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vllm_prove.cli import main
 from vllm_prove.eval.sweep import GRIDS, K_MIN_SWEEP, pareto
 
@@ -21,6 +23,7 @@ def test_pareto_keeps_only_undominated_points():
     assert pareto([(0.9, 10.0), (1.0, 9.0), (0.95, 11.0)], minimize_x=False) == [(1.0, 9.0), (0.95, 11.0)]
 
 
+@pytest.mark.slow
 def test_sweep_writes_report_and_plots(tmp_path, capsys):
     out = tmp_path / "sweep"
     rc = main(["sweep", "sdd", "--num-prompts", "6", "--num-train-prompts", "10", "--max-tokens", "24",

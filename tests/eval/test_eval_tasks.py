@@ -69,6 +69,7 @@ def test_builtin_tasks():
     assert len(heldout.items) == 64 and heldout.metric == "agreement"
 
 
+@pytest.mark.slow
 def test_lm_eval_task_from_a_local_json_file(tmp_path):
     write_lm_eval_task(tmp_path, "prove_local_sum", [{"prompt": "2+2=", "target": "4"},
                                                      {"prompt": "3+3=", "target": "6"}], ["\n"], 5)
@@ -138,6 +139,7 @@ def test_shards_resume_only_what_is_missing(tmp_path):
     assert [r["index"] for r in store.load("ar", task)] == [0]
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_naming_file_line_or_field(tmp_path):
     import subprocess
     import sys

@@ -73,6 +73,7 @@ def test_a_masked_token_is_never_visible_to_its_own_prediction(shift):
     assert not torch.allclose(a[0, 5:], b[0, 5:])  # block 1 does read block 0's real tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift,steps,min_rate", [(False, 600, 1.0), (True, 600, 0.9)])
 def test_drafter_learns_the_counting_language(shift, steps, min_rate):
     """Every token of the counting language is fixed by its context: a trained block-diffusion

@@ -71,6 +71,7 @@ def trained(tmp_path_factory):
     return traces, out, reports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal", ["marginal", "conditional"])
 def test_predictor_beats_position_baseline(trained, signal):
     _, _, reports = trained

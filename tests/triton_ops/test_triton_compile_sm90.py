@@ -70,6 +70,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no NVIDIA backend")
 def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

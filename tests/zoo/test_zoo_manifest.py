@@ -105,6 +105,7 @@ def test_split_is_by_file_and_deterministic():
     assert [f.relpath for f in split(load_corpus())[1]] == [f.relpath for f in heldout]
 
 
+@pytest.mark.slow
 def test_smoke_build_runs_the_whole_recipe(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,6 +1,6 @@
 """The engine-free core: contracts, acceptance rules, skip policy, metrics, cost model.
 
-Nothing here imports vllm (tests/core/test_no_vllm.py proves it); the vLLM adapters live in
+Nothing here imports vllm (tests/core/test_core_no_vllm.py checks it); the vLLM adapters live in
 ``vllm_prove.engine`` and call these functions.
 """
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.core.adaptive import summary_delta
-from vllm_prove.reference.runner import RequestResult, zoo_path
+from vllm_prove.paths import zoo_path
+from vllm_prove.reference.runner import RequestResult
 from vllm_prove.errors import ProveError
 
 WARMUP_TOKENS = 8  # one untimed request before a timed run

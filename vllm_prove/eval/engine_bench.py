@@ -45,7 +45,7 @@ from vllm_prove.core.cost_model import ideal_speedup
 from vllm_prove.core.metrics import common_prefix_length
 from vllm_prove.engine import generate as engine_gen
 from vllm_prove.errors import ProveError
-from vllm_prove.eval.bench import _fmt, cycle_cost, pass_costs
+from vllm_prove.eval.bench import format_cell, cycle_cost, pass_costs
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    from vllm_prove.reference.runner import zoo_path
+    from vllm_prove.paths import zoo_path
 
     runs = list(ENGINE_RUNS if runs is None else runs) + (BF16_RUNS if bf16 else [])
     base = DecodeConfig(max_tokens=max_tokens)
@@ -364,12 +364,12 @@ def format_row(row: dict) -> str:
     spread = f"{spread[0]:.2f}-{spread[1]:.2f}" if spread and row.get("repeats", 1) > 1 else "-"
     depth = row.get("adaptive_depth") or {}  # the adaptive depth's mean K and share of plain steps
     plain = depth.get("plain_share")
-    return (f"{row['label']:<24}{row['in_flight']:>3}{_fmt(row['tokens_per_s'], '8.1f')}"
-            f"{_fmt(row['ratio_to_ar'], '6.2f')}{spread:>11}"
-            f"{_fmt(row['committed_per_cycle'], '11.2f')}{_fmt(depth.get('mean_depth'), '6.1f')}"
+    return (f"{row['label']:<24}{row['in_flight']:>3}{format_cell(row['tokens_per_s'], '8.1f')}"
+            f"{format_cell(row['ratio_to_ar'], '6.2f')}{spread:>11}"
+            f"{format_cell(row['committed_per_cycle'], '11.2f')}{format_cell(depth.get('mean_depth'), '6.1f')}"
             f"{'-' if plain is None else f'{100 * plain:.0f}%':>5}"
-            f"{_fmt(row.get('ms_per_step'), '8.2f')}{_fmt(row['same_as_ar'], '6.3f')}{_fmt(row['off_argmax'], '11.4f')}{_fmt(row['peak_rss_mb'], '8.0f')}"
-            f"{_fmt(row['kv_capacity_tokens'], '7d')}{_fmt(row['ideal_speedup'], '7.2f')}{_fmt(row['efficiency'], '6.2f')}")
+            f"{format_cell(row.get('ms_per_step'), '8.2f')}{format_cell(row['same_as_ar'], '6.3f')}{format_cell(row['off_argmax'], '11.4f')}{format_cell(row['peak_rss_mb'], '8.0f')}"
+            f"{format_cell(row['kv_capacity_tokens'], '7d')}{format_cell(row['ideal_speedup'], '7.2f')}{format_cell(row['efficiency'], '6.2f')}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

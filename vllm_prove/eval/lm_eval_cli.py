@@ -23,10 +23,10 @@ import sys
 
 def main(argv: list[str]) -> int:
     from vllm_prove.engine.generate import prepare_environment
-    from vllm_prove.engine.serve import _version
+    from vllm_prove.engine.serve import vllm_version_lookup
 
     prepare_environment()
-    importlib.metadata.version = _version  # before lm-eval's vLLM backend binds `version`
+    importlib.metadata.version = vllm_version_lookup  # before lm-eval's vLLM backend binds `version`
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm-eval", *argv]

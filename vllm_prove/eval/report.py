@@ -164,7 +164,7 @@ def build_report(tasks: list[Task], runs, records: dict[str, dict[str, list[dict
 
 
 def _loglik_model(models: dict, cfg):
-    from vllm_prove.reference.runner import zoo_path
+    from vllm_prove.paths import zoo_path
 
     path = cfg.proposer or zoo_path("proposer")
     if path not in models:

@@ -30,7 +30,7 @@ class CycleRecord:
     ar_match: int | None = None  # AR-matching prefix of the proposed block (if tracked)
 
 
-def _lengths(rows: list[list[int]], active: list[bool]) -> torch.Tensor:
+def row_lengths(rows: list[list[int]], active: list[bool]) -> torch.Tensor:
     """# [batch] int64: len(rows[r]) for active rows, 0 for free ones."""
     return torch.tensor([len(row) if a else 0 for row, a in zip(rows, active)], dtype=torch.long)
 
@@ -77,7 +77,7 @@ class Decoder:
         rows = [self.pending[r] + [self.mask_id] * (self.B - 1) if active[r] else [] for r in range(len(active))]
         ids, lengths = pad_rows(rows, self.pad_id)
         logits = self.kv_p.extend(ids, lengths)  # [batch, n, vocab]
-        block_logits = _window(logits, _lengths(self.pending, active) - 1, self.B)  # [batch, block, vocab]
+        block_logits = _window(logits, row_lengths(self.pending, active) - 1, self.B)  # [batch, block, vocab]
         y, p_tilde = top1_confidence(block_logits.flatten(0, 1))  # [batch * block] each
         shape = block_logits.shape[:2]
         return BlockProposal(y.view(shape), p_tilde.view(shape), torch.full((len(active),), self.B, dtype=torch.long))
@@ -89,7 +89,7 @@ class Decoder:
         rows = [prefix[r] + block[r].tolist() if active[r] else [] for r in range(len(active))]
         ids, lengths = pad_rows(rows, self.pad_id)
         logits = kv.extend(ids, lengths)  # [batch, n, vocab]
-        return _window(logits, _lengths(prefix, active) - 1, num_out)
+        return _window(logits, row_lengths(prefix, active) - 1, num_out)
 
     def _ar_match(self, proposal: BlockProposal, active: list[bool]) -> torch.Tensor:
         """Diagnostic, # [batch, block] bool: y_i == g_i, the proposer's greedy AR prediction
@@ -139,7 +139,7 @@ class MarsDecoder(Decoder):
 
     def cycle(self, active):
         proposal = self._propose(active)  # pass 1: pending + B-1 masks
-        self.kv_p.commit(_lengths(self.pending, active))
+        self.kv_p.commit(row_lengths(self.pending, active))
         matches = self._ar_match(proposal, active) if self.track_ar_match else None
         verdict = proposer_only_gate(proposal, self.cfg.tau)
         committed = [row if a else [] for row, a in zip(verdict.to_lists(), active)]
@@ -154,7 +154,7 @@ class ProveDecoder(Decoder):
 
     def cycle(self, active):
         proposal = self._propose(active)  # pass 1: pending + B-1 masks
-        self.kv_p.commit(_lengths(self.pending, active))
+        self.kv_p.commit(row_lengths(self.pending, active))
         matches = self._ar_match(proposal, active) if self.track_ar_match else None
         y = proposal.draft_token_ids  # [batch, block]
         logits = self._teacher_force(self.kv_v, self.v_pending, y[:, :-1], self.B, active)  # pass 2
@@ -163,7 +163,7 @@ class ProveDecoder(Decoder):
                              else self.cfg.tau)
         a = verdict.num_accepted  # [batch]
         # the verifier keeps v_pending + y_1..y_{a-1}; y_a is read first next cycle (it scores q_1)
-        self.kv_v.commit(torch.where(torch.tensor(active), _lengths(self.v_pending, active) + a - 1, 0))
+        self.kv_v.commit(torch.where(torch.tensor(active), row_lengths(self.v_pending, active) + a - 1, 0))
         committed = [row if x else [] for row, x in zip(verdict.to_lists(), active)]
         self.pending = [c or p for c, p in zip(committed, self.pending)]
         self.v_pending = [c[-1:] or v for c, v in zip(committed, self.v_pending)]
@@ -177,7 +177,7 @@ class LosslessDecoder(Decoder):
 
     def cycle(self, active):
         proposal = self._propose(active)  # pass 1: pending + B-1 masks
-        self.kv_p.commit(_lengths(self.pending, active))
+        self.kv_p.commit(row_lengths(self.pending, active))
         y = proposal.draft_token_ids  # [batch, block]
         empty = [[] for _ in active]
         g_next = self._teacher_force(self.kv_p, empty, y, self.B, active).argmax(-1)  # pass 2: g_2..g_{B+1}
@@ -209,8 +209,8 @@ class SDDecoder(Decoder):
         logits = self._teacher_force(self.kv_p, self.pending, d, k + 1, active)  # target pass
         verdict = lossless_greedy(d, torch.full((n,), k, dtype=torch.long), logits.argmax(-1))
         a = torch.where(torch.tensor(active), verdict.num_accepted, 0)  # [batch]
-        self.kv_p.commit(_lengths(self.pending, active) + a)
-        self.kv_v.commit(_lengths(self.v_pending, active) + a.clamp(max=k - 1))  # d_k was never fed to the drafter
+        self.kv_p.commit(row_lengths(self.pending, active) + a)
+        self.kv_v.commit(row_lengths(self.v_pending, active) + a.clamp(max=k - 1))  # d_k was never fed to the drafter
         committed = [row if x else [] for row, x in zip(verdict.to_lists(), active)]
         self.pending = [c[-1:] or p for c, p in zip(committed, self.pending)]
         self.v_pending = [c[min(int(a[r]), k - 1):] or self.v_pending[r] for r, c in enumerate(committed)]

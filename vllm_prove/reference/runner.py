@@ -18,6 +18,7 @@ from vllm_prove.config import DecodeConfig, Method
 from vllm_prove.core.metrics import CycleStats, auc
 from vllm_prove.reference.decoders import DECODERS, CycleRecord
 from vllm_prove.errors import ProveError
+from vllm_prove.paths import zoo_path
 
 
 @dataclass
@@ -45,11 +46,6 @@ class Models:
     drafter: object | None = None  # diffusion drafter (SDD methods)
     drafter_mask_id: int = -1
     drafter_spec: dict = field(default_factory=dict)  # config.json `diffusion_drafter`: kind, logits_shift
-
-
-def zoo_path(role: str) -> str:
-    from vllm_prove.zoo import ZOO_DIR
-    return str(ZOO_DIR / role)
 
 
 def load_models(cfg: DecodeConfig) -> Models:

@@ -25,7 +25,7 @@ from vllm_prove.core.diffusion import DraftBlock
 from vllm_prove.core.rules import lenient_accept, strict_greedy, topk_accept
 from vllm_prove.core.skip_policy import PrefixGate, SkipPolicy, guard_flags
 from vllm_prove.errors import ProveError
-from vllm_prove.reference.decoders import CycleRecord, Decoder, _lengths
+from vllm_prove.reference.decoders import CycleRecord, Decoder, row_lengths
 from vllm_prove.reference.drafter import DiffusionDrafter
 
 SIGNAL_GATES = {SkipSignal.RAW: PrefixGate.GEOMETRIC_MEAN, SkipSignal.MARGINAL: PrefixGate.MIN,
@@ -89,7 +89,7 @@ class SDDDecoder(Decoder):
             strict = strict_greedy(x, n, logits)  # L_b: the same pass, strict rule
             verdict = self.verify(x, n, logits) if self.relaxed_verify else strict
             accepted = torch.where(torch.tensor(verify), verdict.num_accepted, 0)
-            self.kv_p.commit(_lengths(self.pending, verify) + accepted)
+            self.kv_p.commit(row_lengths(self.pending, verify) + accepted)
             strict_l = strict.num_accepted
             committed = [row if v else [] for row, v in zip(verdict.to_lists(), verify)]
         audit = self._shadow(x, n, skip) if bool(skip.any()) and self.cfg.shadow else None

@@ -9,7 +9,7 @@ import torch
 from vllm_prove.config import TrainConfig
 from vllm_prove.train.data import load_dataset
 from vllm_prove.train.trainer import train
-from vllm_prove.zoo.tokenizer import MASK_TOKEN
+from vllm_prove.train import MASK_TOKEN
 from vllm_prove.errors import ProveError
 
 # MARS' own recipe for real checkpoints (docs/METHODS.md §2): lr 5e-6, max length 512.

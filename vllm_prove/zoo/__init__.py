@@ -1,10 +1,6 @@
-"""The tiny model zoo: a proposer and a verifier trained by `vllm-prove zoo build`.
+"""The tiny model zoo: a proposer, a verifier and a diffusion drafter trained by `vllm-prove zoo
+build` (the folder itself: `vllm_prove.paths`)."""
 
-`VLLM_PROVE_ZOO_DIR` points the whole project at another zoo folder (e.g. a `--scale smoke` build).
-"""
+from vllm_prove.paths import HELDOUT_PROMPTS, ZOO_DIR
 
-import os
-from pathlib import Path
-
-ZOO_DIR = Path(os.environ.get("VLLM_PROVE_ZOO_DIR") or Path(__file__).resolve().parent / "models")
-HELDOUT_PROMPTS = ZOO_DIR / "heldout_prompts.jsonl"
+__all__ = ["HELDOUT_PROMPTS", "ZOO_DIR"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vllm_prove.train import MASK_TOKEN  # (the MARS placeholder, defined where it is trained)
+
 # The Qwen2 pre-tokenizer, exactly: transformers >= 5 loads any `model_type: qwen2` checkpoint's
 # tokenizer as `Qwen2Tokenizer`, which rebuilds the pipeline with NFC + this split regex +
 # byte-level (transformers/models/qwen2/tokenization_qwen2.py). Training with the same pipeline
@@ -11,7 +13,6 @@ from pathlib import Path
 QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                      r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 EOS_TOKEN = "<|endoftext|>"
-MASK_TOKEN = "<|mask|>"  # the MARS placeholder; its id goes to config.json as `mask_token_id`
 # A plain-text chat template, so OpenAI chat requests work against the zoo (the models were
 # never chat-tuned: this only renders messages as text the base model continues).
 CHAT_TEMPLATE = ("{% for message in messages %}# {{ message['role'] }}:\n{{ message['content'] }}\n"

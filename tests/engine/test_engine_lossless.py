@@ -293,9 +293,12 @@ def test_adaptive_depth_decided_and_measured_inside_the_default_engine(lossless)
     # once recorded after vLLM had freed the request: a row per such request, never freed)
     assert summary["tracked_requests"] == 0
     # One request in flight speculates: the cost model predicts a lead far outside the noise there
-    # (its prior), which a slow warm-up cannot overturn (docs/METHODS.md §9, "Switching")
+    # (its prior), which a slow warm-up cannot overturn (docs/METHODS.md §9, "Switching"). The
+    # bucket may have started plain on an early fit of a few steps: then it switched once, into
+    # speculation, and never back
     one = summary["realized"]["1"]
-    assert one["model_ratio"] > 1.4 and one["arm"] == one["started"] == "speculative" and one["switches"] == 0, one
+    assert one["model_ratio"] > 1.4 and one["arm"] == "speculative", one
+    assert one["switches"] == (one["started"] == "plain"), one
     assert one["speculative"]["steps"] >= 100
 
 

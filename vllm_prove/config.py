@@ -266,7 +266,7 @@ class ProveEngineConfig(_Strict):
     def _sdd_block_is_gamma(cls, data):
         """Mode `sdd` drafts a block of gamma tokens: unset, it is `DecodeConfig.gamma`'s default
         (the CLI's), not the ProVe block size B."""
-        if isinstance(data, dict) and str(getattr(data.get("mode"), "value", data.get("mode"))) == "sdd":
+        if isinstance(data, dict) and data.get("mode") == EngineMode.SDD:  # (a str enum: "sdd" too)
             data = {"block_size": _DECODE_FIELDS["gamma"].default, **data}
         return data
 

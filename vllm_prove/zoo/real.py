@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -105,9 +106,8 @@ def materialize(out: Path | None = None, force: bool = False, log=print) -> dict
     # (a GGUF-loaded model is tagged as quantized and refuses save_pretrained: rebuild it plainly)
     config = quantized.config
     config.torch_dtype = torch.float32
-    for key in ("quantization_config",):
-        if hasattr(config, key):
-            delattr(config, key)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     model = LlamaForCausalLM(config).eval()
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
@@ -125,8 +125,6 @@ def materialize(out: Path | None = None, force: bool = False, log=print) -> dict
                  "license": "Apache-2.0", "seconds": round(time.perf_counter() - t0, 1)}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
     log(f"{out}: {manifest['num_parameters']:,} parameters, greedy check passed ({manifest['seconds']} s)")

@@ -141,6 +141,21 @@ def cmd_zoo(args) -> int:
     return 0
 
 
+def _training_data(data: str) -> str:
+    """`--data` as a path: `stdlib` is the zoo corpus' training split, written once as .jsonl."""
+    if data != "stdlib":
+        return data
+    from vllm_prove.zoo.corpus import corpus_hash, load_corpus, split, write_jsonl
+    from vllm_prove.zoo.real import cache_dir
+
+    files = load_corpus()
+    path = cache_dir() / "corpus" / f"stdlib-train-{corpus_hash(files)[:12]}.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl([{"text": f.text, "source": f.relpath} for f in split(files)[0]], path)
+    return str(path)
+
+
 def cmd_train(args) -> int:
     from vllm_prove.train.recipes import train_diffusion, train_mars, train_verifier
 
@@ -152,11 +167,13 @@ def cmd_train(args) -> int:
             report = train_survival(args.traces, signal, args.out, epochs=args.epochs).to_dict()
             print(json.dumps({k: report[k] for k in ("signal", "mean_test_bce", "mean_baseline_test_bce", "auroc")}))
         return 0
+    args.data = _training_data(args.data)
     overrides = {k: v for k, v in {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size,
                                    "seq_len": args.seq_len, "block_size": args.block_size,
                                    "ar_weight": getattr(args, "ar_weight", None),
                                    "soft_weight": getattr(args, "soft_weight", None),
                                    "anchor": getattr(args, "anchor", None),
+                                   "lora_rank": getattr(args, "lora_rank", None),
                                    "block_size_mix": tuple(args.block_size_mix) if getattr(args, "block_size_mix", None)
                                    else None,
                                    "checkpoint_every": args.checkpoint_every}.items() if v is not None}
@@ -298,7 +315,8 @@ def _add_train_parsers(sub) -> None:
                        ("diffusion", "block-diffusion drafter training of any HF causal LM (SDD)")):
         t = train.add_parser(name, help=text)
         t.add_argument("--model", required=True, help="HF checkpoint folder to start from")
-        t.add_argument("--data", required=True, help=".jsonl (prompt/response or text), .txt, or a folder")
+        t.add_argument("--data", required=True, help=".jsonl (prompt/response or text), .txt, a folder, or "
+                       "`stdlib` (the training split of the Python standard library, the zoo's corpus)")
         t.add_argument("--out", required=True, help="output folder (checkpoints go to OUT/checkpoint)")
         t.add_argument("--resume", action="store_true")
         for flag, typ in (("--steps", int), ("--lr", float), ("--batch-size", int), ("--seq-len", int),
@@ -306,6 +324,9 @@ def _add_train_parsers(sub) -> None:
             t.add_argument(flag, type=typ)
         if name == "mars":
             t.add_argument("--ar-weight", type=float)
+            t.add_argument("--lora-rank", type=int,
+                           help="train a low-rank adapter of this rank (+ the mask embedding) instead of every "
+                                "weight; OUT/adapter/ holds it, OUT the merged model")
             t.add_argument("--self-distill", action="store_true",
                            help="targets = the model's own greedy continuations of contexts from --data")
             t.add_argument("--rounds", type=int, default=1, help="self-distill: regenerate targets this many times")

@@ -162,6 +162,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     checkpoint_every: int = Field(200, ge=1)
     """Steps between checkpoints (model + optimizer + RNG); `--resume` continues from the last."""
+    lora_rank: int = Field(0, ge=0, le=1024)
+    """0: full fine-tuning. Otherwise a low-rank adapter (alpha = 2 x rank) on every linear layer,
+    plus the mask token's embedding row: what is trained and shipped is a few MB."""
 
     def resolved_anchor(self, self_distill: bool) -> str:
         return self.anchor or ("teacher" if self_distill else "self")

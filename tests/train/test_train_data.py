@@ -108,3 +108,19 @@ def test_train_stream_windows_reach_the_end_of_the_stream():
     assert batch.input_ids.shape == (2000, 4)
     assert torch.equal(batch.input_ids - batch.input_ids[:, :1], torch.arange(4).expand(2000, -1))
     assert set(batch.input_ids[:, 0].tolist()) == set(range(10 - 4 + 1))
+
+
+def test_train_grouped_examples_share_a_prompt_length_and_carry_no_padding_column():
+    examples = [([1] * n, [2] * r) for n, r in ((3, 5), (3, 2), (6, 4), (6, 1), (3, 4))] * 4
+    ds = ExampleDataset(examples, seq_len=12, pad_id=0, group_by_prompt=True)
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(40):
+        b = ds.sample(3, gen)
+        prompt_lens = (~b.response_mask & b.valid_mask).sum(dim=1)
+        assert prompt_lens.unique().numel() == 1
+        assert b.valid_mask[:, -1].any()  # cut to the longest row
+        seen.add(int(prompt_lens[0]))
+    assert seen == {3, 6}
+    ungrouped = ExampleDataset(examples, seq_len=12, pad_id=0)
+    assert ungrouped.sample(3, gen).input_ids.shape[1] == 12

@@ -157,3 +157,44 @@ def test_train_mars_loss_refuses_attention_without_custom_masks():
     ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="flash_attention_2"):
         mars_loss(model, TokenBatch(ids, torch.ones_like(ids, dtype=torch.bool)), MASK_TOKEN_ID, 4)
+
+
+@pytest.mark.parametrize("prompt_len, anchor", [(3, "self"), (4, "self"), (6, "self"), (5, "teacher")])
+def test_train_mars_loss_with_the_noisy_copy_cut_equals_the_whole_layout(prompt_len, anchor):
+    """The loss reads the noisy copy only from the block before the first target, and logits only
+    where a term reads them: every term must equal the whole `2L` layout's, computed by hand."""
+    import torch.nn.functional as F
+    from vllm_prove.train.mars import model_attention_mask, noisy_start, shifted_kl
+
+    model = tiny_qwen2().eval()
+    gen = torch.Generator().manual_seed(1)
+    L, B = 13, 4
+    ids = torch.randint(0, 32, (2, L), generator=gen)
+    response = torch.zeros_like(ids, dtype=torch.bool)
+    response[:, prompt_len:] = True
+    batch = TokenBatch(ids, response)
+    assert noisy_start(batch, B) == (prompt_len - 1) // B * B  # 4 (a cut) for prompts of 5 and 6
+    teacher = torch.randn(2, L, model.config.vocab_size, generator=gen)
+    with torch.no_grad():
+        inputs = mars_inputs(batch, MASK_TOKEN_ID, B)
+        inputs["attention_mask"] = model_attention_mask(model, inputs["attention_mask"])
+        full = model(**inputs).logits  # [batch, 2L, vocab]
+        block = shifted_ce(full[:, L:], batch)
+        ar = shifted_kl(full[:, :L], teacher, batch, everywhere=True) if anchor == "teacher" else \
+            shifted_ce(full[:, :L], batch)
+        parts = mars_loss(model, batch, MASK_TOKEN_ID, B, ar_weight=1.0, teacher_logits=teacher, anchor=anchor)
+    assert parts["block"].item() == pytest.approx(block.item(), abs=1e-5)
+    assert parts["ar"].item() == pytest.approx(ar.item(), abs=1e-5)
+    assert F.mse_loss(full[:, :L], full[:, L:]).item() > 1e-4  # the copies differ: the check can fail
+
+
+def test_train_mars_inputs_cut_keeps_the_layout_of_the_kept_rows():
+    ids = torch.arange(10)[None]
+    batch = TokenBatch(ids, torch.arange(10)[None] >= 6)
+    whole, cut = mars_inputs(batch, 99, 4), mars_inputs(batch, 99, 4, noisy_from=4)
+    keep = torch.cat([torch.arange(10), 10 + torch.arange(4, 10)])
+    assert torch.equal(cut["input_ids"], whole["input_ids"][:, keep])
+    assert torch.equal(cut["position_ids"], whole["position_ids"][:, keep])
+    assert torch.equal(cut["attention_mask"][0, 0], whole["attention_mask"][0, 0][keep][:, keep])
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        mars_inputs(batch, 99, 4, noisy_from=3)

@@ -131,11 +131,11 @@ def _leak_own_block_mask(seq_len: int, block_size: int) -> torch.Tensor:
     return allowed
 
 
-def _noisy_positions_shifted(batch, mask_token_id, block_size):
-    """Broken: the noisy copy continues the position ids (L..2L-1) instead of repeating 0..L-1."""
-    inputs = _ORIGINAL_INPUTS(batch, mask_token_id, block_size)
-    bsz, seq_len = batch.input_ids.shape
-    inputs["position_ids"] = torch.arange(2 * seq_len)[None].expand(bsz, -1)
+def _noisy_positions_shifted(batch, mask_token_id, block_size, noisy_from=0):
+    """Broken: the noisy copy continues the position ids (L..) instead of repeating its own."""
+    inputs = _ORIGINAL_INPUTS(batch, mask_token_id, block_size, noisy_from)
+    bsz, width = inputs["input_ids"].shape
+    inputs["position_ids"] = torch.arange(width)[None].expand(bsz, -1)
     return inputs
 
 

@@ -40,9 +40,13 @@ class StreamDataset:
 
 
 class ExampleDataset:
-    """Prompt/response examples, each truncated or right-padded to `seq_len`."""
+    """Prompt/response examples, each truncated or right-padded to `seq_len`.
 
-    def __init__(self, examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int):
+    `group_by_prompt`: a batch holds examples of one prompt length only, cut to its longest row,
+    so no compute goes to padding and (MARS) the noisy copy can start at the shared prompt end."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
+                 group_by_prompt: bool = False):
         if not examples:
             raise ProveError("no training examples")
         ids = torch.full((len(examples), seq_len), pad_id, dtype=torch.long)
@@ -54,10 +58,19 @@ class ExampleDataset:
             resp[row, len(prompt) : len(seq)] = True
             valid[row, : len(seq)] = True
         self.input_ids, self.response_mask, self.valid_mask, self.seq_len = ids, resp, valid, seq_len
+        lengths = torch.tensor([min(len(prompt), seq_len) for prompt, _ in examples])
+        self.groups = [(lengths == n).nonzero().flatten() for n in lengths.unique()] if group_by_prompt else None
 
     def sample(self, batch_size: int, gen: torch.Generator) -> TokenBatch:
-        rows = torch.randint(0, self.input_ids.shape[0], (batch_size,), generator=gen)
-        return TokenBatch(self.input_ids[rows], self.response_mask[rows], self.valid_mask[rows])
+        if self.groups is None:
+            rows = torch.randint(0, self.input_ids.shape[0], (batch_size,), generator=gen)
+            return TokenBatch(self.input_ids[rows], self.response_mask[rows], self.valid_mask[rows])
+        # a group drawn in proportion to its size, then rows from it
+        sizes = torch.tensor([len(g) for g in self.groups], dtype=torch.float)
+        group = self.groups[int(torch.multinomial(sizes, 1, generator=gen))]
+        rows = group[torch.randint(0, len(group), (batch_size,), generator=gen)]
+        width = int(self.valid_mask[rows].sum(dim=1).max())
+        return TokenBatch(self.input_ids[rows, :width], self.response_mask[rows, :width], self.valid_mask[rows, :width])
 
 
 def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:

@@ -121,9 +121,10 @@ def build_targets(model, stream: StreamDataset, out_dir: str | Path, *, num_cont
 
 
 def distill_dataset(examples: list[tuple[list[int], list[int]]], pad_id: int) -> ExampleDataset:
-    """Context unsupervised, continuation supervised; windows sized to the longest example."""
+    """Context unsupervised, continuation supervised; a batch holds contexts of one length
+    (the contexts come in `CONTEXT_BUCKETS`), cut to its longest example."""
     seq_len = max(len(c) + len(r) for c, r in examples)
-    return ExampleDataset(examples, seq_len, pad_id)
+    return ExampleDataset(examples, seq_len, pad_id, group_by_prompt=True)
 
 
 @torch.no_grad()

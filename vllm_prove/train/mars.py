@@ -38,18 +38,37 @@ def mars_attention_mask(seq_len: int, block_size: int) -> torch.Tensor:
     return torch.cat([top, bottom], dim=0)
 
 
-def mars_inputs(batch: TokenBatch, mask_token_id: int, block_size: int) -> dict:
-    """Model kwargs for the `2L` MARS input (clean copy, noisy copy)."""
+def mars_inputs(batch: TokenBatch, mask_token_id: int, block_size: int, noisy_from: int = 0) -> dict:
+    """Model kwargs for the MARS input: the clean copy, then the noisy copy from position
+    `noisy_from` on (a multiple of `block_size`; 0 = the whole `2L` layout). Noisy rows of earlier
+    blocks reach no later noisy row (noisy->noisy stays inside a block), so leaving them out
+    changes no output from `noisy_from` on: `noisy_start` says how much of a batch can go."""
     ids = batch.input_ids  # [batch, seq]
     bsz, seq_len = ids.shape
-    noisy = torch.where(batch.response_mask, torch.full_like(ids, mask_token_id), ids)
+    if noisy_from % block_size or not 0 <= noisy_from < seq_len:
+        raise ProveError(f"noisy_from={noisy_from} must be a multiple of block_size={block_size} below {seq_len}")
+    noisy = torch.where(batch.response_mask, torch.full_like(ids, mask_token_id), ids)[:, noisy_from:]
     pos = torch.arange(seq_len, device=ids.device)
-    attn = mars_attention_mask(seq_len, block_size).to(ids.device)
+    keep = torch.cat([pos, seq_len + pos[noisy_from:]])  # rows/cols of the full layout kept
+    attn = mars_attention_mask(seq_len, block_size).to(ids.device)[keep][:, keep]
     return {
-        "input_ids": torch.cat([ids, noisy], dim=1),  # [batch, 2 * seq]
-        "position_ids": torch.cat([pos, pos])[None].expand(bsz, -1),  # [batch, 2 * seq]
-        "attention_mask": attn[None, None].expand(bsz, 1, -1, -1),  # [batch, 1, 2 * seq, 2 * seq]
+        "input_ids": torch.cat([ids, noisy], dim=1),  # [batch, seq + noisy]
+        "position_ids": torch.cat([pos, pos[noisy_from:]])[None].expand(bsz, -1),  # [batch, seq + noisy]
+        "attention_mask": attn[None, None].expand(bsz, 1, -1, -1),  # [batch, 1, seq + noisy, seq + noisy]
     }
+
+
+def noisy_start(batch: TokenBatch, block_size: int) -> int:
+    """First block of the noisy copy with a supervised output: the block of the position before
+    the batch's first response token (its output predicts that token)."""
+    rows = batch.response_mask[:, 1:].any(dim=0).nonzero()
+    first_output = int(rows[0]) if rows.numel() else 0  # output at i predicts i + 1
+    return first_output // block_size * block_size
+
+
+def _suffix(batch: TokenBatch, start: int) -> TokenBatch:
+    valid = batch.valid_mask[:, start:] if batch.valid_mask is not None else None
+    return TokenBatch(batch.input_ids[:, start:], batch.response_mask[:, start:], valid)
 
 
 def shifted_ce(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
@@ -114,19 +133,27 @@ def mars_loss(model, batch: TokenBatch, mask_token_id: int, block_size: int, ar_
       position, context included: the AR behaviour stays the teacher's (its greedy output and its
       likelihood of real text) instead of sharpening onto its own argmax round after round."""
     seq_len = batch.input_ids.shape[1]
-    inputs = mars_inputs(batch, mask_token_id, block_size)
+    start = noisy_start(batch, block_size)
+    inputs = mars_inputs(batch, mask_token_id, block_size, noisy_from=start)
     inputs["attention_mask"] = model_attention_mask(model, inputs["attention_mask"])
-    logits = model(**inputs).logits  # [batch, 2 * seq, vocab]
+    # logits only where a loss reads them: the clean copy (from the first target's predecessor
+    # unless the anchor reads every position) and the kept noisy copy; the vocabulary projection
+    # of a real checkpoint costs as much as its layers
+    clean_from = 0 if anchor == "teacher" else start
+    keep = torch.cat([torch.arange(clean_from, seq_len), torch.arange(seq_len, inputs["input_ids"].shape[1])])
+    logits = model(**inputs, logits_to_keep=keep.to(batch.input_ids.device)).logits  # [batch, keep, vocab]
+    clean, noisy = logits[:, : seq_len - clean_from], logits[:, seq_len - clean_from :]
     if anchor == "teacher":
         if teacher_logits is None:
             raise ProveError("anchor 'teacher' needs the teacher's logits (self-distillation)")
-        ar = shifted_kl(logits[:, :seq_len], teacher_logits, batch, everywhere=True)
+        ar = shifted_kl(clean, teacher_logits, batch, everywhere=True)
     else:
-        ar = shifted_ce(logits[:, :seq_len], batch)
-    block = shifted_ce(logits[:, seq_len:], batch)
+        ar = shifted_ce(clean, _suffix(batch, clean_from))
+    tail = _suffix(batch, start)
+    block = shifted_ce(noisy, tail)
     parts = {"ar": ar.detach(), "block": block.detach()}
     if teacher_logits is not None and soft_weight > 0:
-        kl = shifted_kl(logits[:, seq_len:], teacher_logits, batch)
+        kl = shifted_kl(noisy, teacher_logits[:, start:], tail)
         block = (1 - soft_weight) * block + soft_weight * kl
         parts["kl"] = kl.detach()
     return {"loss": block + ar_weight * ar, **parts}

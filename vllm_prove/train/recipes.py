@@ -38,6 +38,31 @@ def ensure_mask_token(tok, model) -> int:
     return mask_id
 
 
+def attach_adapter(model, rank: int, mask_id: int, seed: int):
+    """A low-rank adapter (alpha = 2 x rank) on every linear layer of `model`, and its mask
+    token's embedding row as trainable tokens (peft); the base weights stay frozen. Seeded: the
+    adapter's initial state is part of what a resumed run must find again."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
+                        trainable_token_indices=[mask_id])
+    return get_peft_model(model, config)
+
+
+def save_trained(lm, tok, out: str | Path) -> None:
+    """Save a trained model to `out`; an adapter also lands in `out/adapter/` (the small artefact
+    to ship) before it is merged into the saved model."""
+    out = Path(out)
+    if hasattr(lm, "merge_and_unload"):
+        # the mask row travels as the adapter's trainable-token delta, not as a whole embedding matrix
+        lm.save_pretrained(out / "adapter", save_embedding_layers=False)
+        tok.save_pretrained(out / "adapter")
+        lm = lm.merge_and_unload()
+    lm.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
 def train_mars(*, model: str, data: str, out: str, resume: bool = False, proposer=None, self_distill: bool = False,
                rounds: int = 1, num_contexts: int = 4096, max_new_tokens: int = 64, **overrides) -> dict:
     """Stage-2 MARS block training of `model` on `data`; the result is saved in `out`.
@@ -52,6 +77,8 @@ def train_mars(*, model: str, data: str, out: str, resume: bool = False, propose
     cfg = TrainConfig(**{**FINETUNE_DEFAULTS, **overrides, "objective": "mars"})
     cfg = cfg.model_copy(update={"anchor": cfg.resolved_anchor(self_distill)})
     ds = load_dataset(data, tok, cfg.seq_len)
+    if cfg.lora_rank:
+        lm = attach_adapter(lm, cfg.lora_rank, mask_id, cfg.seed)
     if self_distill:
         from vllm_prove.train.distill import self_distill_mars
         from vllm_prove.train.data import StreamDataset
@@ -61,15 +88,13 @@ def train_mars(*, model: str, data: str, out: str, resume: bool = False, propose
         logs = self_distill_mars(lm, ds, cfg, work_dir=out, mask_token_id=mask_id, eos_id=tok.eos_token_id,
                                  rounds=rounds, num_contexts=num_contexts, max_new_tokens=max_new_tokens,
                                  resume=resume, tokenizer=tok, name=str(model))
-        lm.save_pretrained(out)
-        tok.save_pretrained(out)
+        save_trained(lm, tok, out)
         return logs[-1] | {"rounds": [{k: v for k, v in log.items() if k != "history"} for log in logs],
                            "out": str(Path(out)), "mask_token_id": mask_id}
     if cfg.soft_weight > 0 or cfg.anchor == "teacher":
         raise ProveError("soft_weight and anchor 'teacher' need --self-distill (the teacher is the generating model)")
     result = train(lm, ds, cfg, mask_token_id=mask_id, out_dir=out, tokenizer=tok, resume=resume, desc="MARS")
-    lm.save_pretrained(out)
-    tok.save_pretrained(out)
+    save_trained(lm, tok, out)
     return result | {"out": str(Path(out)), "mask_token_id": mask_id}
 
 

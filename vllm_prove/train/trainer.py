@@ -31,13 +31,31 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 def _save(model, tokenizer, opt, gen, step: int, out: Path, progress: dict) -> None:
     ckpt = out / _CKPT
-    model.save_pretrained(ckpt)
+    # an adapter's checkpoint is its own weights (the mask row as a trainable-token delta)
+    model.save_pretrained(ckpt, **({"save_embedding_layers": False} if hasattr(model, "peft_config") else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(ckpt)
     # the global torch RNG drives dropout: without it a resumed run of a model with dropout diverges;
     # `progress` (last loss, tokens and seconds so far) makes a resumed stage report its whole run
     torch.save({"step": step, "optimizer": opt.state_dict(), "rng": gen.get_state(),
                 "torch_rng": torch.get_rng_state(), "progress": progress}, ckpt / "trainer.pt")
+
+
+def _load_weights(model, ckpt: Path) -> None:
+    """Load a checkpoint written by `_save`: a whole model, or a low-rank adapter's weights."""
+    from safetensors.torch import load_file
+
+    if (ckpt / "adapter_model.safetensors").exists():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(ckpt / "adapter_model.safetensors"))
+        if result.unexpected_keys:
+            raise ProveError(f"{ckpt}: adapter weights do not fit the model ({result.unexpected_keys[:4]})")
+        return
+    weights = load_file(ckpt / "model.safetensors")
+    if getattr(model.config, "tie_word_embeddings", False):  # save_pretrained drops the tied copy
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    model.load_state_dict(weights, strict=True)
 
 
 def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None, out_dir: str | Path | None = None,
@@ -63,11 +81,7 @@ def train(model, dataset, cfg: TrainConfig, *, mask_token_id: int | None = None,
     start, before = 0, {"loss": float("nan"), "tokens": 0, "seconds": 0.0}
     if resume and out is not None and (out / _CKPT / "trainer.pt").exists():
         state = torch.load(out / _CKPT / "trainer.pt", weights_only=True)
-        from safetensors.torch import load_file
-        weights = load_file(out / _CKPT / "model.safetensors")
-        if getattr(model.config, "tie_word_embeddings", False):  # save_pretrained drops the tied copy
-            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-        model.load_state_dict(weights, strict=True)
+        _load_weights(model, out / _CKPT)
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["rng"])
         if "torch_rng" in state:  # absent from checkpoints written before it was saved

@@ -52,7 +52,7 @@ def test_sdd_and_train_configs_reject():
         TrainConfig(lr=0)
 
 
-@pytest.mark.parametrize("name", ["tiny", "paper-32b-3b", "paper-sdd-diffucoder"])
+@pytest.mark.parametrize("name", ["tiny", "smollm2", "paper-32b-3b", "paper-sdd-diffucoder"])
 def test_presets_validate(name):
     preset = load_preset(name)
     for model, fields in ((DecodeConfig, preset["decode"]), (TrainConfig, preset.get("train", {}))):

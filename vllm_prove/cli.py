@@ -51,6 +51,22 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     sdd.add_argument("--trace-features", help="survival-predictor training data (.pt) from the audited rounds")
 
 
+def _preset(name: str) -> dict:
+    """`configs/NAME.json`; a preset naming a `tier` gets that tier's models as decode defaults,
+    materialized first where needed (`vllm-prove zoo real`)."""
+    from vllm_prove.config import load_preset
+
+    preset = load_preset(name)
+    if preset.get("tier") == "smollm2":
+        from vllm_prove.zoo import real
+
+        real.materialize_proposer(log=lambda line: print(line, file=sys.stderr))
+        preset["decode"] = {"proposer": str(real.proposer_dir()), **preset.get("decode", {})}
+    elif "tier" in preset:
+        raise ProveError(f"preset {name!r}: unknown tier {preset['tier']!r} (known: smollm2)")
+    return preset
+
+
 def _decode_config(args):
     from vllm_prove.config import DecodeConfig
 
@@ -61,11 +77,7 @@ def _decode_config(args):
               "top_k": args.top_k, "k_min": args.k_min, "s_max": args.s_max, "eta_b": args.eta_b,
               "eta_c": args.eta_c, "signal": args.signal, "survival": args.survival,
               "shadow": False if args.no_shadow else None, "adaptive": False if args.fixed_depth else None}
-    defaults = {}
-    if args.preset:
-        from vllm_prove.config import load_preset
-
-        defaults = load_preset(args.preset).get("decode", {})
+    defaults = _preset(args.preset).get("decode", {}) if args.preset else {}
     return DecodeConfig(**{**defaults, **{k: v for k, v in fields.items() if v is not None}})
 
 
@@ -121,10 +133,19 @@ def cmd_zoo(args) -> int:
         manifest = reevaluate_zoo(Path(args.out) if args.out else ZOO_DIR)
         print(json.dumps({k: manifest[k] for k in ("proposer_block_match_rate", "proposer_matching_prefix")}))
     elif args.zoo_cmd == "real":
-        from vllm_prove.zoo.real import materialize
+        from vllm_prove.zoo import real
 
-        manifest = materialize(Path(args.out) if args.out else None, force=args.force)
+        manifest = real.materialize(Path(args.out) if args.out else None, force=args.force)
         print(json.dumps({k: manifest[k] for k in ("name", "num_parameters", "check_text", "source_sha256")}))
+        if (real.PROPOSER_ADAPTER / "adapter_config.json").is_file():
+            out = Path(args.out).with_name(real.PROPOSER_NAME) if args.out else None
+            proposer = real.materialize_proposer(out=out, base=Path(args.out) if args.out else None, force=args.force)
+            print(json.dumps({k: proposer[k] for k in ("name", "num_parameters", "mask_token_id", "adapter_sha256")}))
+            if args.evaluate:
+                report = real.evaluate_proposer(out, Path(args.out) if args.out else None, log=lambda line: None)
+                if args.report:
+                    Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+                print(json.dumps(report))
     elif args.zoo_cmd == "prompts":
         from vllm_prove.zoo import corpus as corpus_mod
 
@@ -184,9 +205,14 @@ def cmd_train(args) -> int:
                                  resume=args.resume, num_contexts=args.num_contexts,
                                  max_new_tokens=args.max_new_tokens, **overrides)
     elif args.train_cmd == "mars":
+        continuations = None
+        if args.targets_engine == "vllm":
+            from vllm_prove.engine.targets import VllmContinuations
+
+            continuations = VllmContinuations(args.model)
         result = train_mars(model=args.model, data=args.data, out=args.out, resume=args.resume,
                             self_distill=args.self_distill, rounds=args.rounds, num_contexts=args.num_contexts,
-                            max_new_tokens=args.max_new_tokens, **overrides)
+                            max_new_tokens=args.max_new_tokens, continuations=continuations, **overrides)
     else:
         result = train_verifier(model=args.model, data=args.data, out=args.out, resume=args.resume,
                                 proposer=args.proposer, **overrides)
@@ -292,6 +318,10 @@ def _add_zoo_parsers(sub) -> None:
                           "file) as a checked HF folder in the cache")
     real.add_argument("--out", help="folder (default: $VLLM_PROVE_CACHE or ~/.cache/vllm-prove, /smollm2-135m-instruct)")
     real.add_argument("--force", action="store_true", help="rebuild even if the folder is up to date")
+    real.add_argument("--evaluate", action="store_true",
+                      help="report the MARS proposer beside its base on held-out text (matching prefix, "
+                           "next-token agreement, perplexity)")
+    real.add_argument("--report", help="with --evaluate: also write the report to this .json")
     evaluate = zoo.add_parser("evaluate", help="recompute the manifest's held-out numbers from the shipped weights")
     evaluate.add_argument("--out", help="zoo folder (default: the packaged zoo)")
     prompts = zoo.add_parser("prompts", help="cut held-out prompts (as the zoo's) from any folder of Python code "
@@ -330,6 +360,9 @@ def _add_train_parsers(sub) -> None:
             t.add_argument("--self-distill", action="store_true",
                            help="targets = the model's own greedy continuations of contexts from --data")
             t.add_argument("--rounds", type=int, default=1, help="self-distill: regenerate targets this many times")
+            t.add_argument("--targets-engine", choices=("transformers", "vllm"), default="transformers",
+                           help="self-distill (anchor teacher): who writes the targets; vllm is many times faster "
+                                "for a real checkpoint")
             t.add_argument("--num-contexts", type=int, default=4096, help="self-distill: contexts per round")
             t.add_argument("--max-new-tokens", type=int, default=64, help="self-distill: continuation length")
             t.add_argument("--soft-weight", type=float, help="self-distill: share of KL to the teacher in the block loss")
@@ -467,11 +500,10 @@ def _add_eval_parsers(sub) -> None:
 
 
 def cmd_eval(args) -> int:
-    from vllm_prove.config import load_preset
     from vllm_prove.eval.engine_bench import engine_output_to
     from vllm_prove.eval.runner import EvalConfig, run_eval
 
-    preset = load_preset(args.preset) if args.preset else {}
+    preset = _preset(args.preset) if args.preset else {}
     fields = dict(preset.get("eval", {}))
     fields["decode"] = {**preset.get("decode", {}), **fields.get("decode", {}),
                         **{k: v for k, v in (("proposer", args.proposer), ("verifier", args.verifier)) if v}}

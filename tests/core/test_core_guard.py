@@ -132,6 +132,37 @@ def test_switch_and_settle_steps_and_prompt_rows_do_not_bias_a_block():
     assert guard.summary()["4"]["speculative"]["steps"] == BLOCK_STEPS
 
 
+def drive_admissions(guard, spec_gain, admit_extra, steps, load=16, every=6, fit_price=0.2, sigma=0.05, seed=0):
+    """Steps of 1 time unit at ``load``; speculation commits ``spec_gain`` x plain's tokens per step;
+    every ``every``-th step admits a prompt, costing ``admit_extra[arm]`` units more, while the cost
+    fit prices the prompt rows at ``fit_price`` for both arms. Returns the arms run."""
+    rng = np.random.default_rng(seed)
+    arms = []
+    for i in range(steps):
+        speculative = guard.speculates(load)
+        admits = i % every == 0
+        extra = admit_extra[speculative] if admits else 0.0
+        t = math.exp(sigma * rng.standard_normal()) * 0.01 * (1 + extra)
+        tokens = load * (spec_gain if speculative else 1.0)
+        guard.observe(load, speculative, tokens, t, load, prefill_seconds=0.01 * fit_price if admits else 0.0)
+        arms.append(speculative)
+    return np.array(arms)
+
+
+@pytest.mark.parametrize("spec_extra, plain_extra, winner", [(1.5, 0.2, False), (0.2, 1.5, True)])
+def test_each_arm_pays_its_own_price_for_admitting_prompts(spec_extra, plain_extra, winner):
+    """Speculation decodes 8% faster but, its requests finishing at staggered steps, admits prompts
+    beside speculative steps that cost far more than plain decoding's admissions (and mirrored):
+    per 6 steps 6.48 tokens in 7.5 units against 6 in 6.2, a 12% loss the fit's prompt price (alike
+    for both arms) cannot see. The guard must charge each arm what its own admissions took."""
+    guard = SpeculationGuard(prior=lambda load: math.log(1.08 if winner is False else 0.9))
+    arms = drive_admissions(guard, 1.08 if winner is False else 0.9, {True: spec_extra, False: plain_extra}, 6000)
+    state = guard.state(16)
+    assert state.in_force is winner, guard.summary()
+    assert (arms[-2000:] == winner).mean() > 0.9
+    assert guard.prompt_price(True) != pytest.approx(guard.prompt_price(False), rel=0.5)
+
+
 def test_buckets_are_loads_of_up_to_a_power_of_two_and_summaries_are_json_ready():
     assert [SpeculationGuard.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     guard = SpeculationGuard(prior=lambda load: -0.5)

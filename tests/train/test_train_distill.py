@@ -111,7 +111,7 @@ def test_self_distilled_mars_makes_the_block_match_the_models_greedy_output(tmp_
     windows = stream.sample(64, torch.Generator().manual_seed(9)).input_ids[:, :12]
     before = block_match(model, windows, 4, MASK_TOKEN_ID)["prefix"]
     teacher = tiny_qwen2(seed=5, hidden=64).eval()
-    cfg = TrainConfig(objective="mars", block_size=4, lr=3e-3, warmup_steps=5, steps=60, batch_size=16,
+    cfg = TrainConfig(objective="mars", block_size=4, lr=3e-3, warmup_steps=5, steps=80, batch_size=16,
                       checkpoint_every=30, seed=0)
     logs = self_distill_mars(model, stream, cfg, work_dir=tmp_path, mask_token_id=MASK_TOKEN_ID, eos_id=EOS,
                              rounds=2, num_contexts=256, max_new_tokens=12)

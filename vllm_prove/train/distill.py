@@ -80,8 +80,12 @@ def greedy_continuations(model, contexts: list[list[int]], max_new_tokens: int, 
 
 def build_targets(model, stream: StreamDataset, out_dir: str | Path, *, num_contexts: int, max_new_tokens: int,
                   eos_id: int, seed: int = 0, shard_size: int = 512, batch_size: int = 128,
-                  generator_name: str = "") -> list[tuple[list[int], list[int]]]:
+                  generator_name: str = "", continuations=None) -> list[tuple[list[int], list[int]]]:
     """Write (or resume) the self-distillation dataset in `out_dir`; return its examples.
+
+    `continuations(contexts, max_new_tokens, eos_id)`, if given, writes the continuations in
+    place of transformers' `generate` (`vllm_prove.engine.targets.VllmContinuations`: vLLM, the
+    engine that serves the result, many times faster on a CPU); `model` still names the writer.
 
     `meta.json` names the generating checkpoint (`generator_name`, weight fingerprint) and the
     sampling settings; a folder written by another checkpoint or other settings is an error, not
@@ -91,7 +95,8 @@ def build_targets(model, stream: StreamDataset, out_dir: str | Path, *, num_cont
     out.mkdir(parents=True, exist_ok=True)
     meta = {"generator": generator_name, "fingerprint": fingerprint(model), "num_contexts": num_contexts,
             "max_new_tokens": max_new_tokens, "seed": seed, "shard_size": shard_size,
-            "context_buckets": list(CONTEXT_BUCKETS), "decoding": "greedy"}
+            "context_buckets": list(CONTEXT_BUCKETS), "decoding": "greedy",
+            "engine": "transformers" if continuations is None else type(continuations).__name__}
     meta_path = out / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -111,8 +116,9 @@ def build_targets(model, stream: StreamDataset, out_dir: str | Path, *, num_cont
         if path.exists():
             rows = json.loads(path.read_text())
         else:
-            rows = [[c, r] for c, r in zip(chunk, greedy_continuations(model, chunk, max_new_tokens, eos_id,
-                                                                       batch_size))]
+            written = continuations(chunk, max_new_tokens, eos_id) if continuations is not None else \
+                greedy_continuations(model, chunk, max_new_tokens, eos_id, batch_size)
+            rows = [[c, r] for c, r in zip(chunk, written)]
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(rows))
             tmp.replace(path)  # a shard exists whole or not at all
@@ -146,7 +152,7 @@ def greedy_agreement(reference, model, contexts: list[list[int]], max_new_tokens
 def self_distill_mars(model, stream: StreamDataset, cfg, *, work_dir: str | Path, mask_token_id: int, eos_id: int,
                       rounds: int = 1, num_contexts: int = 4096, max_new_tokens: int = 64, resume: bool = False,
                       tokenizer=None, name: str = "model", desc: str = "MARS self-distill",
-                      evaluate=None) -> list[dict]:
+                      evaluate=None, teacher=None, continuations=None) -> list[dict]:
     """MARS training on greedy continuations, `rounds` times, fresh contexts every round
     (seed + round), `cfg.steps` steps each. Who writes the targets:
     - `cfg.anchor == "self"`: the current model (targets refreshed every round);
@@ -154,6 +160,9 @@ def self_distill_mars(model, stream: StreamDataset, cfg, *, work_dir: str | Path
       (KL at every position), so the fine-tuned model's greedy output stays the teacher's.
     `cfg.soft_weight` > 0 adds KL to the generator's distribution in the block term.
     `evaluate(model) -> dict`, if given, runs after every round; its result lands in the round's log.
+    `teacher`: the frozen starting model when `model` is no longer it (an adapter attached);
+    `continuations`: see `build_targets` (only for the teacher's targets: they are written once,
+    and its `close()` runs after them).
 
     Everything lands in `work_dir/round-R/` (`targets/`, `checkpoint/`): with `resume`, finished
     rounds reload their final checkpoint and an interrupted one continues where it stopped.
@@ -162,14 +171,21 @@ def self_distill_mars(model, stream: StreamDataset, cfg, *, work_dir: str | Path
 
     from vllm_prove.train.trainer import train
 
-    frozen = copy.deepcopy(model).eval().requires_grad_(False) if cfg.anchor == "teacher" else None
+    frozen = None
+    if cfg.anchor == "teacher":
+        frozen = (teacher if teacher is not None else copy.deepcopy(model)).eval().requires_grad_(False)
+    elif continuations is not None or teacher is not None:
+        raise ProveError("teacher / continuations: only with anchor 'teacher' (the frozen model writes the targets)")
     logs = []
     for r in range(rounds):
         folder = Path(work_dir) / f"round-{r}"
         generator = frozen if frozen is not None else model
         examples = build_targets(generator, stream, folder / "targets", num_contexts=num_contexts,
                                  max_new_tokens=max_new_tokens, eos_id=eos_id, seed=cfg.seed + 1000 * (r + 1),
-                                 generator_name=f"{name}@{'teacher' if frozen is not None else f'round{r}'}")
+                                 generator_name=f"{name}@{'teacher' if frozen is not None else f'round{r}'}",
+                                 continuations=continuations)
+        if continuations is not None and hasattr(continuations, "close"):
+            continuations.close()
         teacher = frozen
         if teacher is None and cfg.soft_weight > 0:
             teacher = copy.deepcopy(model).eval().requires_grad_(False)

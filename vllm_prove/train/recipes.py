@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,6 +12,8 @@ from vllm_prove.train.data import load_dataset
 from vllm_prove.train.trainer import train
 from vllm_prove.train import MASK_TOKEN
 from vllm_prove.errors import ProveError
+
+ADAPTER_INFO = "prove_adapter.json"  # beside a shipped adapter: the mask token its base must gain
 
 # MARS' own recipe for real checkpoints (docs/METHODS.md §2): lr 5e-6, max length 512.
 FINETUNE_DEFAULTS = {"lr": 5e-6, "seq_len": 512, "warmup_steps": 20}
@@ -51,33 +54,51 @@ def attach_adapter(model, rank: int, mask_id: int, seed: int):
 
 
 def save_trained(lm, tok, out: str | Path) -> None:
-    """Save a trained model to `out`; an adapter also lands in `out/adapter/` (the small artefact
-    to ship) before it is merged into the saved model."""
+    """Save a trained model to `out`. An adapter also lands in `out/adapter/`, the artefact to
+    ship: its weights rounded to bf16 (half the bytes; the model saved in `out` is merged from
+    the rounded weights, so it is exactly what merging the shipped adapter gives), the mask row
+    as a trainable-token delta (not a whole embedding matrix), and `prove_adapter.json` naming
+    the mask token a base tokenizer must gain."""
     out = Path(out)
     if hasattr(lm, "merge_and_unload"):
-        # the mask row travels as the adapter's trainable-token delta, not as a whole embedding matrix
+        from safetensors.torch import load_file, save_file
+
+        for param in lm.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16).to(param.dtype)
         lm.save_pretrained(out / "adapter", save_embedding_layers=False)
-        tok.save_pretrained(out / "adapter")
+        weights = out / "adapter" / "adapter_model.safetensors"
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights)
+        (out / "adapter" / ADAPTER_INFO).write_text(json.dumps(
+            {"mask_token": tok.mask_token, "mask_token_id": tok.mask_token_id}, indent=1) + "\n")
         lm = lm.merge_and_unload()
     lm.save_pretrained(out)
     tok.save_pretrained(out)
 
 
 def train_mars(*, model: str, data: str, out: str, resume: bool = False, proposer=None, self_distill: bool = False,
-               rounds: int = 1, num_contexts: int = 4096, max_new_tokens: int = 64, **overrides) -> dict:
+               rounds: int = 1, num_contexts: int = 4096, max_new_tokens: int = 64, continuations=None,
+               **overrides) -> dict:
     """Stage-2 MARS block training of `model` on `data`; the result is saved in `out`.
 
     `self_distill`: the targets are the model's own greedy continuations of contexts cut from
     `data` (plain text), fresh contexts each of `rounds` (`OUT/round-R/targets/`, resumable),
     written by the current model (`anchor="self"`) or by the frozen starting model, which then
     also anchors the clean copy (`anchor="teacher"`); `soft_weight` > 0 adds KL to the
-    generator's next-token distribution in the block term."""
+    generator's next-token distribution in the block term. `continuations`: who writes the
+    teacher's targets (`distill.build_targets`; default transformers' `generate`)."""
     tok, lm = _load(model)
+    torch.manual_seed(0)  # a new mask row's initial value is part of the teacher's fingerprint
     mask_id = ensure_mask_token(tok, lm)
     cfg = TrainConfig(**{**FINETUNE_DEFAULTS, **overrides, "objective": "mars"})
     cfg = cfg.model_copy(update={"anchor": cfg.resolved_anchor(self_distill)})
     ds = load_dataset(data, tok, cfg.seq_len)
+    teacher = None
     if cfg.lora_rank:
+        if self_distill and cfg.anchor == "teacher":
+            import copy
+
+            teacher = copy.deepcopy(lm)  # the plain starting model (an adapter's layers would slow it)
         lm = attach_adapter(lm, cfg.lora_rank, mask_id, cfg.seed)
     if self_distill:
         from vllm_prove.train.distill import self_distill_mars
@@ -87,7 +108,8 @@ def train_mars(*, model: str, data: str, out: str, resume: bool = False, propose
             raise ProveError(f"--self-distill cuts contexts from plain text; {data} holds prompt/response rows")
         logs = self_distill_mars(lm, ds, cfg, work_dir=out, mask_token_id=mask_id, eos_id=tok.eos_token_id,
                                  rounds=rounds, num_contexts=num_contexts, max_new_tokens=max_new_tokens,
-                                 resume=resume, tokenizer=tok, name=str(model))
+                                 resume=resume, tokenizer=tok, name=str(model), teacher=teacher,
+                                 continuations=continuations)
         save_trained(lm, tok, out)
         return logs[-1] | {"rounds": [{k: v for k, v in log.items() if k != "history"} for log in logs],
                            "out": str(Path(out)), "mask_token_id": mask_id}

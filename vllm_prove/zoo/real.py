@@ -10,6 +10,10 @@ model's. Everything else takes the folder by path, as it takes any checkpoint. T
 those of the Q4_1 file (4-bit groups, dequantized), not the bf16 original.
 
     vllm-prove zoo real            # or: make real
+
+The tier's trained models ship as small artefacts under ``vllm_prove/zoo/smollm2/``: the MARS
+proposer as a low-rank adapter with its mask token's embedding row (``proposer-adapter/``), which
+``materialize_proposer`` merges into the base checkpoint in the cache, checked the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ FORMAT = 1  # bump when the folder's layout or its checks change: an older folde
 NUM_PARAMETERS = 134_515_008  # SmolLM2-135M: 30 layers, hidden 576, tied embeddings
 CHECK_PROMPT = "def fibonacci(n):\n"
 CHECK_TOKENS = 24
+HELDOUT_WINDOWS = (128, 96)  # held-out contexts of the proposer report: count, tokens
 MANIFEST = "prove_manifest.json"
+ARTEFACTS = Path(__file__).resolve().parent / "smollm2"  # the tier's committed artefacts
+PROPOSER_ADAPTER = ARTEFACTS / "proposer-adapter"
+PROPOSER_NAME = NAME + "-mars"
 
 
 def cache_dir() -> Path:
@@ -44,6 +52,10 @@ def cache_dir() -> Path:
 
 def real_dir() -> Path:
     return cache_dir() / NAME
+
+
+def proposer_dir() -> Path:
+    return cache_dir() / PROPOSER_NAME
 
 
 def locate_gguf() -> Path:
@@ -148,3 +160,86 @@ def check(folder: Path, expected: list[int] | None = None) -> dict:
     return {"num_parameters": count, "architecture": type(model).__name__, "vocab_size": model.config.vocab_size,
             "check_prompt": CHECK_PROMPT, "check_continuation": tokens,
             "check_text": tokenizer.decode(tokens)}
+
+
+def _folder_sha256(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + _sha256(path).encode())
+    return digest.hexdigest()
+
+
+def materialize_proposer(adapter: Path = PROPOSER_ADAPTER, out: Path | None = None, base: Path | None = None,
+                         force: bool = False, log=print) -> dict:
+    """Merge the tier's MARS adapter (with its mask token row) into the base checkpoint (itself
+    materialized first if needed) and save the merged proposer at ``out`` (default
+    ``proposer_dir()``); idempotent like ``materialize``. The manifest records both sources."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_prove.train.recipes import ADAPTER_INFO, ensure_mask_token
+
+    if not (adapter / "adapter_config.json").is_file():
+        raise ProveError(f"{adapter}: no adapter_config.json (train one: vllm-prove train mars --lora-rank ...)")
+    base_manifest = materialize(base, log=log)
+    base = Path(base) if base is not None else real_dir()
+    out = Path(out) if out is not None else proposer_dir()
+    sha = _folder_sha256(adapter)
+    manifest = read_manifest(out)
+    if manifest is not None and manifest.get("adapter_sha256") == sha and \
+            manifest.get("base_sha256") == base_manifest["source_sha256"] and not force:
+        log(f"{out}: up to date (adapter {sha[:12]})")
+        return manifest
+    t0 = time.perf_counter()
+    info = json.loads((adapter / ADAPTER_INFO).read_text())
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    mask_id = ensure_mask_token(tokenizer, model)
+    if (tokenizer.mask_token, mask_id) != (info["mask_token"], info["mask_token_id"]):
+        raise ProveError(f"{adapter}: trained with mask token {info['mask_token']!r} = {info['mask_token_id']}, "
+                         f"the base gives {tokenizer.mask_token!r} = {mask_id}")
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    manifest = {"format": FORMAT, "name": PROPOSER_NAME, "mask_token_id": mask_id,
+                "num_parameters": sum(p.numel() for p in merged.parameters()),
+                "adapter": str(adapter), "adapter_sha256": sha, "base_sha256": base_manifest["source_sha256"],
+                "license": "Apache-2.0", "seconds": round(time.perf_counter() - t0, 1)}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log(f"{out}: merged proposer ({manifest['num_parameters']:,} parameters, mask id {mask_id})")
+    return manifest
+
+
+def evaluate_proposer(proposer: Path | None = None, base: Path | None = None, log=print) -> dict:
+    """The tier's proposer against its base on held-out text: the held-out files of the zoo's
+    corpus split (the Python standard library; the training read only the other files)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_prove.train.data import StreamDataset, encode_stream
+    from vllm_prove.train.recipes import ensure_mask_token
+    from vllm_prove.zoo.corpus import load_corpus, split
+    from vllm_prove.zoo.evaluate import proposer_report
+
+    proposer, base = Path(proposer or proposer_dir()), Path(base or real_dir())
+    tok = AutoTokenizer.from_pretrained(proposer)
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
+    trained, start = load(proposer), load(base)
+    torch.manual_seed(0)  # the base's fresh mask row (what training started from)
+    mask_id = ensure_mask_token(AutoTokenizer.from_pretrained(base), start)
+    if mask_id != trained.config.mask_token_id:
+        raise ProveError(f"{proposer}: mask id {trained.config.mask_token_id}, the base gives {mask_id}")
+    heldout = StreamDataset(encode_stream(tok, [f.text for f in split(load_corpus())[1]]), 256)
+    windows = heldout.sample(HELDOUT_WINDOWS[0], torch.Generator().manual_seed(99)).input_ids[:, :HELDOUT_WINDOWS[1]]
+    t0 = time.perf_counter()
+    report = proposer_report(start, trained, heldout, mask_id, windows)
+    report |= {"heldout": "python-stdlib held-out files (by path hash, as the zoo's corpus split)",
+               "seconds": round(time.perf_counter() - t0, 1)}
+    log(json.dumps(report))
+    return report

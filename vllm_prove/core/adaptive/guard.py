@@ -41,6 +41,7 @@ MODEL_SPREAD = 0.2  # the cost model's error on the log rate ratio (and a pair's
 
 SETTLE_STEPS = BLOCK_STEPS // 4  # a run's first steps after a switch are not counted (caches, new shapes)
 FREE_PAIRS = 2  # a bucket's first pairs run whatever the budget (one reading has no scatter)
+OWN_PRICE_STEPS = BLOCK_STEPS  # an arm's steps with prompt rows before its own prompt price replaces the fit's
 
 
 @dataclass
@@ -74,6 +75,7 @@ class BucketState:
     block_seconds: float = 0.0  # every step's time since the last block ended (transitions too) ...
     block_steps: int = 0  # ... and its steps
     step_seconds: float = 0.0  # a step's mean time in the last block
+    decode_step: dict = field(default_factory=lambda: {False: 0.0, True: 0.0})  # per arm: a recent step without prompt rows
     seconds: float = 0.0  # every step's time at the bucket
     explore_cost: float = 0.0  # throughput-seconds given up to exploring
     pairs: ArmStats = field(default_factory=ArmStats)  # readings of d: the discounted mean of the pairs
@@ -95,6 +97,9 @@ class SpeculationGuard:
         # [weighted squared residuals, weight] of the pairs' readings: two prior readings at MODEL_SPREAD
         self._noise = [2 * MODEL_SPREAD ** 2, 2.0]
         self._prompt_price = [0.0, 0.0]  # [request-seconds of prompt rows, committed tokens], the engine's life
+        # per arm, the engine's life: [request-seconds its steps with prompt rows took beyond its
+        # steps without, committed tokens, steps with prompt rows]
+        self._admission = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -114,11 +119,15 @@ class SpeculationGuard:
         ``committed`` tokens (None: a step that only admitted prompts); ``prefill_seconds`` of it
         were its prompt rows' (the cost fit's price). A block's rate is that of its steps without
         prompt rows (of all its steps, their prompt rows at the fit's price taken out, where every
-        step carried some), and every committed token is then charged the traffic's prompt price
-        per token over the engine's life, the same for both arms (which block a wave of prompts
-        lands in is chance, and counted as they come, one block in a few read 2-3x slower than
-        the rest). A step of the arm the bucket is not running (the switch between arms) and the
-        first ``SETTLE_STEPS`` of a run count only as time."""
+        step carried some), and every committed token is then charged its arm's prompt price: what
+        the arm's steps with prompt rows took beyond its steps without, per token it committed,
+        over the engine's life (before an arm has ``OWN_PRICE_STEPS`` such steps, the fit's price,
+        alike for both arms). Admitting prompts costs the two arms differently (speculation's
+        requests finish at staggered steps, so it admits them one by one, each beside a
+        speculative step), but which block a wave of prompts lands in is chance: counted as they
+        come, one block in a few would read 2-3x slower than the rest. A step of the arm the
+        bucket is not running (the switch between arms) and the first ``SETTLE_STEPS`` of a run
+        count only as time."""
         if seconds <= 0 or requests <= 0:
             return
         self._prompt_price[0] += min(max(prefill_seconds, 0.0), seconds) * requests
@@ -127,7 +136,19 @@ class SpeculationGuard:
         state.seconds += seconds
         state.block_seconds += seconds
         state.block_steps += 1
-        if speculative != state.running or committed is None:
+        if speculative != state.running:
+            return
+        admission = self._admission[speculative]
+        admission[1] += committed or 0
+        if prefill_seconds > 0:
+            plain_step = state.decode_step[speculative]
+            extra = seconds - plain_step if plain_step > 0 else min(prefill_seconds, seconds)
+            admission[0] += max(extra, 0.0) * requests
+            admission[2] += 1
+        elif committed is not None:  # (a recent level: an average over about a block of steps)
+            plain_step = state.decode_step[speculative]
+            state.decode_step[speculative] = seconds if plain_step == 0 else plain_step + (seconds - plain_step) / BLOCK_STEPS
+        if committed is None:
             return
         if state.settle > 0:
             state.settle -= 1
@@ -157,9 +178,16 @@ class SpeculationGuard:
                                                        settle=BLOCK_STEPS)
         return state
 
-    def _end_block(self, state: BucketState, load: int) -> None:
+    def prompt_price(self, speculative: bool) -> float:
+        """Request-seconds of prompt admission per committed token charged to an arm."""
+        extra, tokens, steps = self._admission[speculative]
+        if steps >= OWN_PRICE_STEPS and tokens > 0:
+            return extra / tokens
         seconds_rows, tokens = self._prompt_price
-        per_token = seconds_rows / tokens if tokens else 0.0  # request-seconds of prompt rows per token
+        return seconds_rows / tokens if tokens else 0.0
+
+    def _end_block(self, state: BucketState, load: int) -> None:
+        per_token = self.prompt_price(state.running)
         tokens, request_seconds = (state.tokens, state.request_seconds) if state.tokens else state.mixed
         value = math.log(max(tokens, 1e-9) / (max(request_seconds, 1e-12) + tokens * per_token))
         state.arms[state.running].add(value, state.steps)

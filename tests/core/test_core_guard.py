@@ -1,6 +1,6 @@
 """The guard's choice between plain decoding and speculation (vllm_prove/core/adaptive/guard.py):
 paired readings, switches only on separated intervals, one exploration budget both ways, the model
-as a prior that measurements must overturn, prompt rows priced alike. Driven by a small world of
+as a prior that measurements must overturn, each arm charged its own prompt admissions. Driven by a small world of
 known rates with seeded noise; the trace replay (test_core_guard_replay.py) checks the whole
 controller on steps recorded from real engines."""
 

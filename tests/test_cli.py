@@ -223,3 +223,19 @@ def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "zoo", broken)
     with pytest.raises(ValueError, match="internal bug"):
         main(["zoo", "info"])
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--targets-engine", "vllm"], "it needs --self-distill"),
+    (["--lora-rank", "-1"], "lora_rank"),
+])
+def test_bad_train_mars_settings_exit_2_before_training(tmp_path, capsys, args, phrase):
+    from vllm_prove.paths import zoo_path
+
+    data = tmp_path / "d.txt"
+    data.write_text("def f(x):\n    return x\n" * 50)
+    out = tmp_path / "out"
+    rc = main(["train", "mars", "--model", zoo_path("proposer"), "--data", str(data), "--out", str(out), *args])
+    assert rc == 2
+    assert phrase in capsys.readouterr().err
+    assert not out.exists()  # nothing written

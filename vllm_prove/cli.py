@@ -135,14 +135,15 @@ def cmd_zoo(args) -> int:
     elif args.zoo_cmd == "real":
         from vllm_prove.zoo import real
 
-        manifest = real.materialize(Path(args.out) if args.out else None, force=args.force)
+        base = Path(args.out) if args.out else None
+        manifest = real.materialize(base, force=args.force)
         print(json.dumps({k: manifest[k] for k in ("name", "num_parameters", "check_text", "source_sha256")}))
         if (real.PROPOSER_ADAPTER / "adapter_config.json").is_file():
-            out = Path(args.out).with_name(real.PROPOSER_NAME) if args.out else None
-            proposer = real.materialize_proposer(out=out, base=Path(args.out) if args.out else None, force=args.force)
+            out = base.with_name(real.PROPOSER_NAME) if base else None
+            proposer = real.materialize_proposer(out=out, base=base, force=args.force)
             print(json.dumps({k: proposer[k] for k in ("name", "num_parameters", "mask_token_id", "adapter_sha256")}))
             if args.evaluate:
-                report = real.evaluate_proposer(out, Path(args.out) if args.out else None, log=lambda line: None)
+                report = real.evaluate_proposer(out, base, log=lambda line: None)
                 if args.report:
                     Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
                 print(json.dumps(report))

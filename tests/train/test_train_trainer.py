@@ -105,6 +105,7 @@ def test_train_mars_without_mask_token_is_refused():
     ("grad_clip", 0.0, "greater than 0"),
     ("ar_weight", -1.0, "greater than or equal to 0"),
     ("checkpoint_every", 0, "greater than or equal to 1"),
+    ("lora_rank", -1, "greater than or equal to 0"),
     ("objective", "beam", "'ar', 'mars' or 'diffusion'"),
 ])
 def test_train_config_rejects_bad_values_naming_the_field(field, value, words):

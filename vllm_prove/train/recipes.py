@@ -87,6 +87,8 @@ def train_mars(*, model: str, data: str, out: str, resume: bool = False, propose
     also anchors the clean copy (`anchor="teacher"`); `soft_weight` > 0 adds KL to the
     generator's next-token distribution in the block term. `continuations`: who writes the
     teacher's targets (`distill.build_targets`; default transformers' `generate`)."""
+    if continuations is not None and not self_distill:
+        raise ProveError("a targets engine writes self-distillation targets: it needs --self-distill")
     tok, lm = _load(model)
     torch.manual_seed(0)  # a new mask row's initial value is part of the teacher's fingerprint
     mask_id = ensure_mask_token(tok, lm)

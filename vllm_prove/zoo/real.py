@@ -35,7 +35,6 @@ FORMAT = 1  # bump when the folder's layout or its checks change: an older folde
 NUM_PARAMETERS = 134_515_008  # SmolLM2-135M: 30 layers, hidden 576, tied embeddings
 CHECK_PROMPT = "def fibonacci(n):\n"
 CHECK_TOKENS = 24
-HELDOUT_WINDOWS = (128, 96)  # held-out contexts of the proposer report: count, tokens
 MANIFEST = "prove_manifest.json"
 ARTEFACTS = Path(__file__).resolve().parent / "smollm2"  # the tier's committed artefacts
 PROPOSER_ADAPTER = ARTEFACTS / "proposer-adapter"
@@ -225,8 +224,8 @@ def evaluate_proposer(proposer: Path | None = None, base: Path | None = None, lo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_prove.train.data import StreamDataset, encode_stream
     from vllm_prove.train.recipes import ensure_mask_token
+    from vllm_prove.zoo.build import corpus_stream, heldout_windows
     from vllm_prove.zoo.corpus import load_corpus, split
     from vllm_prove.zoo.evaluate import proposer_report
 
@@ -238,8 +237,8 @@ def evaluate_proposer(proposer: Path | None = None, base: Path | None = None, lo
     mask_id = ensure_mask_token(AutoTokenizer.from_pretrained(base), start)
     if mask_id != trained.config.mask_token_id:
         raise ProveError(f"{proposer}: mask id {trained.config.mask_token_id}, the base gives {mask_id}")
-    heldout = StreamDataset(encode_stream(tok, [f.text for f in split(load_corpus())[1]]), 256)
-    windows = heldout.sample(HELDOUT_WINDOWS[0], torch.Generator().manual_seed(99)).input_ids[:, :HELDOUT_WINDOWS[1]]
+    heldout = corpus_stream(tok, split(load_corpus())[1])  # the zoo's held-out windows, same seed
+    windows = heldout_windows(heldout)
     t0 = time.perf_counter()
     report = proposer_report(start, trained, heldout, mask_id, windows)
     report |= {"heldout": "python-stdlib held-out files (by path hash, as the zoo's corpus split)",

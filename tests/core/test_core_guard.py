@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from vllm_prove.core.adaptive import BLOCK_STEPS, EXPLORE_BUDGET, FREE_PAIRS, SETTLE_STEPS, SpeculationGuard
+from vllm_prove.core.adaptive.guard import OWN_PRICE_STEPS
 
 
 def drive(guard, plain_rate, spec_rate, steps, load=1, sigma=0.0, seed=0, prefill=None):
@@ -109,27 +110,53 @@ def test_a_change_of_the_machine_is_followed():
 
 def test_switch_and_settle_steps_and_prompt_rows_do_not_bias_a_block():
     """A step of the arm the bucket is not running and the first SETTLE_STEPS of a run count only
-    as time; a wave of prompts in one step of a block is priced per token for both arms alike."""
-    guard = SpeculationGuard(prior=lambda load: 0.3)
+    as time; a wave of prompts in one step of a block is taken out of the block and charged per
+    prompt, spread over the tokens a request commits."""
+    guard = SpeculationGuard(prior=lambda load: 0.5)
     state = guard.state(4)
-    assert state.running  # (the model's arm first)
+    assert state.running  # (the model's arm first: 1.65x, beyond the interval)
     guard.observe(4, False, 4, 0.5, 4)  # a plain step while speculation runs: a switch
     for _ in range(BLOCK_STEPS):
         guard.observe(4, True, 4, 0.5, 4)  # the arm's first run at the load: a block settles, uncounted
     assert state.steps == 0 and state.seconds == pytest.approx(0.5 * (1 + BLOCK_STEPS))
-    for i in range(BLOCK_STEPS):  # a block at 8 tokens per 0.01 s per 4 requests, one step with a wave
+    for i in range(BLOCK_STEPS):  # a block at 8 tokens per 0.01 s per 4 requests, one step with a wave of 4
         wave = 0.3 if i == 3 else 0.0
-        guard.observe(4, True, 8, 0.01 + wave, 4, prefill_seconds=wave)
+        guard.observe(4, True, 8, 0.01 + wave, 4, prefill_seconds=wave, admitted=4 if wave else 0)
     spec = state.arms[True]
-    # the decoding rate is 200 tokens per request-second (the wave's step out); the wave's price is
-    # spread over every token committed so far
-    per_token = 0.3 * 4 / (64 + 4 + 4 * BLOCK_STEPS)
+    # the decoding rate is 200 tokens per request-second (the wave's step out); a prompt costs
+    # 0.3 s x 4 requests / 4 prompts (the fit's price: one step with prompt rows), spread over
+    # the tokens committed so far per prompt admitted (no request has finished)
+    per_token = (0.3 * 4 / 4) / ((4 + 4 * BLOCK_STEPS + 8 * BLOCK_STEPS) / 4)
+    assert guard.prompt_price(True) == pytest.approx(per_token)
     assert math.exp(spec.mean) == pytest.approx(56 / (0.01 * 4 * (BLOCK_STEPS - 1) + 56 * per_token))
     assert not state.running  # plain decoding, never measured here, is measured next ...
     for _ in range(SETTLE_STEPS + 1):
         guard.observe(4, True, 8, 0.01, 4)  # (the switch: drafts of the last speculative step)
     assert state.settle == BLOCK_STEPS  # ... after its own new shapes settle
     assert guard.summary()["4"]["speculative"]["steps"] == BLOCK_STEPS
+
+
+def test_admission_is_priced_per_prompt_over_a_requests_life():
+    """A wave of 16 prompts in one plain step and a speculative step that admits one: each arm's
+    own price per prompt once it has OWN_PRICE_STEPS such steps, spread over the finished
+    requests' mean length, the same for both arms (a ratio over the tokens an arm has committed so
+    far charged the wave of a short run to its first few tokens)."""
+    guard = SpeculationGuard(prior=lambda load: 1.0 if load > 16 else -1.0)  # (plain at 16, speculation at 32)
+    for load, arm, extra, prompts in ((16, False, 0.08, 16), (32, True, 0.03, 1)):
+        guard.observe(load, arm, 16, 0.01, 16)  # (a step without prompt rows: the arm's decode step)
+        for _ in range(OWN_PRICE_STEPS):
+            guard.observe(load, arm, 16, 0.01 + extra, 16, prefill_seconds=0.005, admitted=prompts)
+    # (nothing finished, no limit known: tokens committed so far per prompt admitted, a lower bound)
+    assert guard.tokens_per_request() == pytest.approx(16 * 2 * (1 + OWN_PRICE_STEPS) / (16 + 1) / OWN_PRICE_STEPS)
+    guard.expect(64)
+    assert guard.tokens_per_request() == 64  # (nothing finished: the admitted requests' limit)
+    for tokens in (40, 56):
+        guard.finished(tokens)
+    assert guard.tokens_per_request() == pytest.approx((40 + 56 + 64) / 3)
+    assert guard.admission_price(False) == pytest.approx(0.08 * 16 / 16)
+    assert guard.admission_price(True) == pytest.approx(0.03 * 16 / 1)
+    assert guard.prompt_price(True) / guard.prompt_price(False) == pytest.approx(6.0)
+    assert guard.prompt_price(False) == pytest.approx(0.08 / ((40 + 56 + 64) / 3))
 
 
 def drive_admissions(guard, spec_gain, admit_extra, steps, load=16, every=6, fit_price=0.2, sigma=0.05, seed=0):
@@ -144,7 +171,8 @@ def drive_admissions(guard, spec_gain, admit_extra, steps, load=16, every=6, fit
         extra = admit_extra[speculative] if admits else 0.0
         t = math.exp(sigma * rng.standard_normal()) * 0.01 * (1 + extra)
         tokens = load * (spec_gain if speculative else 1.0)
-        guard.observe(load, speculative, tokens, t, load, prefill_seconds=0.01 * fit_price if admits else 0.0)
+        guard.observe(load, speculative, tokens, t, load, prefill_seconds=0.01 * fit_price if admits else 0.0,
+                      admitted=int(admits))
         arms.append(speculative)
     return np.array(arms)
 
@@ -176,22 +204,25 @@ def test_buckets_are_loads_of_up_to_a_power_of_two_and_summaries_are_json_ready(
 
 def test_a_bucket_met_before_the_model_can_tell_takes_the_models_arm_when_it_can():
     """A fresh engine meets its first load a step or two before the cost fit has its terms: plain
-    decoding is a placeholder there, replaced by the model's arm at the first block end at which
-    the model predicts, even a weak lead that would not clear the interval on its own."""
-    calls = []
+    decoding is a placeholder there, replaced by speculation at the first block end at which the
+    model puts it ahead beyond the interval; a weak lead (inside the interval) leaves plain
+    decoding in force for the readings to overturn."""
+    def prior_after(calls, value):
+        return lambda load, n=[0]: (n.__setitem__(0, n[0] + 1), None if n[0] < calls else value)[1]
 
-    def prior(load):
-        calls.append(load)
-        return None if len(calls) < 2 else 0.25  # (1.28x: inside 2 * MODEL_SPREAD)
-
-    guard = SpeculationGuard(prior=prior)
+    guard = SpeculationGuard(prior=prior_after(2, 0.5))  # (1.65x: beyond 2 * MODEL_SPREAD)
     assert not guard.speculates(1)  # (the model cannot tell yet)
-    arms, _ = drive(guard, 100, 128, 600, sigma=0.05)
+    arms, _ = drive(guard, 100, 165, 600, sigma=0.05)
     entry = guard.summary()["1"]
     assert entry["started"] == entry["arm"] == "speculative" and entry["switches"] == 0
     assert arms[3 * BLOCK_STEPS:].mean() > 0.9
+    weak = SpeculationGuard(prior=prior_after(2, 0.25))  # (1.28x: inside the interval)
+    arms, _ = drive(weak, 100, 128, 600, sigma=0.05)
+    entry = weak.summary()["1"]
+    assert entry["started"] == "plain" and entry["arm"] == "speculative" and entry["switches"] == 1
+    assert arms[-300:].mean() > 0.9
     # a placeholder is replaced only while no reading is against it: a bucket whose model speaks
     # after its first pairs keeps what the readings and the prior say together
-    late = SpeculationGuard(prior=lambda load, n=[0]: (n.__setitem__(0, n[0] + 1), None if n[0] < 8 else 0.25)[1])
+    late = SpeculationGuard(prior=prior_after(8, 0.5))
     drive(late, 100, 60, 300, sigma=0.05)
     assert late.summary()["1"]["started"] == "plain" and not late.state(1).in_force

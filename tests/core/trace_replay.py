@@ -21,10 +21,11 @@ the next step as prefill rows. The engine observes a step only once the next one
 
 from __future__ import annotations
 
+
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,8 @@ class Replay:
             for _ in range(steps):
                 while len(requests) < load:  # replace finished requests: their prompts ride in this step
                     requests.append(Request(next_id, self.max_tokens))
+                    if controller is not None:
+                        controller.expect(self.max_tokens)
                     next_id, prefill = next_id + 1, prefill + self.noise.prompt_rows
                 del requests[load:]  # (a load that drops: requests leave)
                 ids = [r.rid for r in requests]
@@ -168,6 +171,7 @@ class Replay:
                     r.drafts = draft_depth
                 shape = StepShape.of(len(requests), sum(verify.values()), draft_depth, world.kind,
                                      extra_rows=prefill, spec_requests=sum(1 for k in verify.values() if k))
+                shape = replace(shape, admitted=prefill // self.noise.prompt_rows)
                 seconds = world.cost(shape) * machine[step_index] * self._warmup(world, shape, seen_shapes, step_index)
                 total_tokens += committed
                 total_seconds += seconds
@@ -180,7 +184,7 @@ class Replay:
                     pending = (shape, seconds, committed, decision.load, controller.steps - 1)
                 for r in [r for r in requests if r.remaining == 0]:
                     if controller is not None:
-                        controller.finish(r.rid)
+                        controller.finish(r.rid, self.max_tokens)
                     requests.remove(r)
         return total_tokens / total_seconds
 

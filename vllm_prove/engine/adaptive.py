@@ -60,6 +60,7 @@ a plain step on the CPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -208,6 +209,11 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
             extra_rows = total - requests - num_spec  # prefill chunks
             shape = StepShape.of(requests, num_spec, scheduler_output.num_spec_tokens_to_schedule, self.depth.kind,
                                  extra_rows=extra_rows, spec_requests=sum(1 for d in spec.values() if d))
+            if scheduler_output.scheduled_new_reqs:  # (prompts begun here: the guard's price per prompt)
+                shape = dataclasses.replace(shape, admitted=len(scheduler_output.scheduled_new_reqs))
+                for new in scheduler_output.scheduled_new_reqs:
+                    if new.sampling_params is not None and new.sampling_params.max_tokens:
+                        self.depth.expect(new.sampling_params.max_tokens)
             committed = None
             if sampled and self._plan.depths:
                 # what a step with decoding requests committed feeds the speculation guard (prefill
@@ -241,7 +247,7 @@ class AdaptiveScheduler(WholeSeededSteps, Scheduler):
         self._maybe_log()
 
     def _free_request(self, request, *args, **kwargs):
-        self.depth.finish(request.request_id)
+        self.depth.finish(request.request_id, request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
 
     def _maybe_log(self) -> None:

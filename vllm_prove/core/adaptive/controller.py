@@ -198,14 +198,18 @@ class DepthController:
 
     def model_log_ratio(self, load: int) -> float | None:
         """The cost model's predicted ``log(rate_speculate / rate_plain)`` at ``load`` requests with
-        the population's acceptance: the guard's prior (None before the fit has seen as many steps
-        as it has terms: fitted to the probe alone, any split of the time between the terms fits)."""
+        the population's acceptance, each arm's tokens per request-second charged its admission
+        price as the guard measures it (``SpeculationGuard.prompt_price``): the guard's prior
+        (None before the fit has seen as many steps as it has terms: fitted to the probe alone,
+        any split of the time between the terms fits)."""
         if self.last_cost is None or load < 1 or self.costs.count < len(COST_TERMS):
             return None
         rates = np.broadcast_to(self.tracker.population_array(), (load, self.tracker.max_depth))
-        speculate = self._plan(rates).rate
-        plain = load / max(self.last_cost(StepShape.of(load, 0, 0, self.kind)), 1e-12)
-        return math.log(max(speculate, 1e-12) / plain)
+        speculate = self._plan(rates).rate / load  # (tokens per request-second)
+        plain = 1 / max(self.last_cost(StepShape.of(load, 0, 0, self.kind)), 1e-12)
+        # (request-seconds per token: decoding's, then admission's)
+        spend = [1 / max(rate, 1e-12) + self.guard.prompt_price(arm) for arm, rate in ((False, plain), (True, speculate))]
+        return math.log(spend[0] / spend[1])
 
     # -- measuring ------------------------------------------------------------------------------
     def observe_step(self, shape: StepShape, seconds: float, committed: int | None = None,
@@ -224,7 +228,7 @@ class DepthController:
             return
         speculative = shape.spec_requests > 0 or shape.draft_depth > 0
         self.guard.observe(load or shape.requests, speculative, committed, seconds, shape.requests,
-                           prefill_seconds=self._prefill_seconds(shape))
+                           prefill_seconds=self._prefill_seconds(shape), admitted=shape.admitted)
 
     def _prefill_seconds(self, shape: StepShape) -> float:
         """What the step's prompt rows cost as the cost fit has it: the step's predicted cost less
@@ -244,8 +248,16 @@ class DepthController:
         self.tracker.record_many(request_ids, [min(n, cap) for n in num_draft_tokens],
                                  [min(a, n, cap) for a, n in zip(num_accepted, num_draft_tokens)])
 
-    def finish(self, request_id) -> None:
+    def expect(self, max_tokens: int) -> None:
+        """A request was admitted that may commit up to ``max_tokens`` tokens (the guard's
+        length of a request before any has finished)."""
+        self.guard.expect(max_tokens)
+
+    def finish(self, request_id, tokens: int | None = None) -> None:
+        """A request left the engine, having committed ``tokens`` output tokens (None: unknown)."""
         self.tracker.forget(request_id)
+        if tokens is not None:
+            self.guard.finished(tokens)
 
     # -- reporting ------------------------------------------------------------------------------
     def summary(self, refit: bool = True) -> dict:

@@ -59,8 +59,9 @@ class StepShape:
     # tells a plain step (D = 0) from a drafting one
     draft_depth: int = field(default=0, compare=False)
     # rows of prompt chunks: counted in `rows` (no cost term of their own), but what tells the
-    # throughput guard that a step carried a prompt chunk
+    # throughput guard that a step carried a prompt chunk ...
     prefill_rows: int = field(default=0, compare=False)
+    admitted: int = field(default=0, compare=False)  # ... and how many prompts began in it (the guard's price per prompt)
 
     @staticmethod
     def of(requests: int, spec_tokens: int, draft_depth: int, kind: DraftKind, extra_rows: int = 0,

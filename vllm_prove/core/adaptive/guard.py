@@ -22,7 +22,13 @@ step each) and its time times the explored arm's shortfall as the posterior has 
 expected to be the faster one earns its gain back). A bucket's first ``FREE_PAIRS`` pairs run
 whatever the budget (one reading has no scatter, and a model fitted on a few warm-up steps may be
 far off); an arm's first run at a bucket lets a whole block of its new step shapes settle first.
-A bucket starts with the arm the model predicts, plain decoding before the model can predict.
+A bucket starts with speculation only where the model alone puts it ahead beyond the interval
+(``prior > CONFIDENCE_Z * MODEL_SPREAD``); elsewhere, and before the model can predict, it starts
+with plain decoding, the arm the guard answers to, and the readings decide.
+
+Admitting prompts is priced per arm and per prompt: what an arm's steps with prompt rows took
+beyond its steps without, times their requests, per prompt they admitted, spread over the tokens a
+request commits in its life (finished requests' mean output length, shared by both arms).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ MODEL_SPREAD = 0.2  # the cost model's error on the log rate ratio (and a pair's
 
 SETTLE_STEPS = BLOCK_STEPS // 4  # a run's first steps after a switch are not counted (caches, new shapes)
 FREE_PAIRS = 2  # a bucket's first pairs run whatever the budget (one reading has no scatter)
-OWN_PRICE_STEPS = BLOCK_STEPS  # an arm's steps with prompt rows before its own prompt price replaces the fit's
+OWN_PRICE_STEPS = BLOCK_STEPS  # an arm's steps with prompt rows before its own admission price replaces the fit's
 
 
 @dataclass
@@ -82,7 +88,7 @@ class BucketState:
     before: float | None = None  # the in-force arm's last block value (a pair's first neighbour)
     pending: tuple | None = None  # (explored arm, its block value, the block before), awaiting the block after
     prior: float | None = None  # the model's log ratio when last asked
-    started: bool = False  # the bucket's first arm: the model's (plain until the model can tell)
+    started: bool = False  # the bucket's first arm (speculation where the model alone puts it ahead)
     switches: int = 0
     explored: int = 0  # blocks run on the arm not in force
 
@@ -96,10 +102,13 @@ class SpeculationGuard:
         self._buckets: dict[int, BucketState] = {}
         # [weighted squared residuals, weight] of the pairs' readings: two prior readings at MODEL_SPREAD
         self._noise = [2 * MODEL_SPREAD ** 2, 2.0]
-        self._prompt_price = [0.0, 0.0]  # [request-seconds of prompt rows, committed tokens], the engine's life
+        self._fit_admission = [0.0, 0]  # [request-seconds of prompt rows at the fit's price, prompts], the engine's life
         # per arm, the engine's life: [request-seconds its steps with prompt rows took beyond its
-        # steps without, committed tokens, steps with prompt rows]
-        self._admission = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}
+        # steps without, prompts they admitted, steps with prompt rows]
+        self._admission = {False: [0.0, 0, 0], True: [0.0, 0, 0]}
+        self._lengths = [0, 0]  # [tokens, requests]: finished requests' output lengths
+        self._expected = [0, 0]  # [tokens, requests]: admitted requests' length limits (max_tokens)
+        self._life = [0, 0]  # [committed tokens, admitted prompts], the engine's life (a length when nothing else is known)
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -109,29 +118,29 @@ class SpeculationGuard:
 
     def speculates(self, load: int) -> bool:
         """The arm the bucket of ``load`` runs now (a bucket met for the first time starts with
-        the arm the model predicts; where it cannot tell yet, plain decoding until the first block
-        ends at which it can, when the model's arm takes over)."""
+        speculation only where the model alone puts it ahead beyond the interval; where the model
+        cannot tell yet, plain decoding until the first block ends at which it can)."""
         return self.state(load).running
 
     def observe(self, load: int, speculative: bool, committed: int | None, seconds: float, requests: int,
-                prefill_seconds: float = 0.0) -> None:
+                prefill_seconds: float = 0.0, admitted: int = 0) -> None:
         """A step decided at ``load``: ``requests`` requests ran for ``seconds`` and committed
         ``committed`` tokens (None: a step that only admitted prompts); ``prefill_seconds`` of it
-        were its prompt rows' (the cost fit's price). A block's rate is that of its steps without
-        prompt rows (of all its steps, their prompt rows at the fit's price taken out, where every
-        step carried some), and every committed token is then charged its arm's prompt price: what
-        the arm's steps with prompt rows took beyond its steps without, per token it committed,
-        over the engine's life (before an arm has ``OWN_PRICE_STEPS`` such steps, the fit's price,
-        alike for both arms). Admitting prompts costs the two arms differently (speculation's
-        requests finish at staggered steps, so it admits them one by one, each beside a
-        speculative step), but which block a wave of prompts lands in is chance: counted as they
-        come, one block in a few would read 2-3x slower than the rest. A step of the arm the
-        bucket is not running (the switch between arms) and the first ``SETTLE_STEPS`` of a run
-        count only as time."""
+        were its prompt rows' (the cost fit's price), which began ``admitted`` prompts. A block's
+        rate is that of its steps without prompt rows (of all its steps, their prompt rows at the
+        fit's price taken out, where every step carried some), and every committed token is then
+        charged its arm's admission price (``prompt_price``). Admitting prompts costs the two
+        arms differently (speculation's requests finish at staggered steps, so it admits them one
+        by one, each beside a speculative step), but which block a wave of prompts lands in is
+        chance: counted as they come, one block in a few would read 2-3x slower than the rest. A
+        step of the arm the bucket is not running (the switch between arms) and the first
+        ``SETTLE_STEPS`` of a run count only as time."""
         if seconds <= 0 or requests <= 0:
             return
-        self._prompt_price[0] += min(max(prefill_seconds, 0.0), seconds) * requests
-        self._prompt_price[1] += committed or 0
+        self._fit_admission[0] += min(max(prefill_seconds, 0.0), seconds) * requests
+        self._fit_admission[1] += admitted
+        self._life[0] += committed or 0
+        self._life[1] += admitted
         state = self.state(load)
         state.seconds += seconds
         state.block_seconds += seconds
@@ -139,7 +148,7 @@ class SpeculationGuard:
         if speculative != state.running:
             return
         admission = self._admission[speculative]
-        admission[1] += committed or 0
+        admission[1] += admitted
         if prefill_seconds > 0:
             plain_step = state.decode_step[speculative]
             extra = seconds - plain_step if plain_step > 0 else min(prefill_seconds, seconds)
@@ -168,23 +177,54 @@ class SpeculationGuard:
         return math.sqrt(self._noise[0] / self._noise[1])
 
     def state(self, load: int) -> BucketState:
-        """The bucket of ``load`` (created on first use, starting with the arm the model predicts)."""
+        """The bucket of ``load`` (created on first use, its first arm as ``speculates`` says)."""
         bucket = self.bucket(load)
         state = self._buckets.get(bucket)
         if state is None:  # (created once per bucket: the model's view is its first arm)
             prior = self.prior(load) if self.prior is not None else None
-            first = prior is not None and prior >= 0
+            first = self._model_leads(prior)
             state = self._buckets[bucket] = BucketState(in_force=first, running=first, started=first, prior=prior,
                                                        settle=BLOCK_STEPS)
         return state
 
+    def finished(self, tokens: int) -> None:
+        """A request left the engine after committing ``tokens`` tokens."""
+        self._lengths[0] += tokens
+        self._lengths[1] += 1
+
+    def expect(self, max_tokens: int) -> None:
+        """A request was admitted that may commit up to ``max_tokens`` tokens."""
+        self._expected[0] += max_tokens
+        self._expected[1] += 1
+
+    def tokens_per_request(self) -> float:
+        """The tokens a request commits in its life: the finished requests' mean, with the mean
+        length limit of the admitted ones as one more observation (before any request finishes,
+        that limit alone: the tokens committed so far per prompt would grow through a request's
+        first life and charge the blocks measured first more than the later ones; without
+        either, that ratio, a lower bound)."""
+        tokens, requests = self._lengths
+        if self._expected[1]:
+            tokens, requests = tokens + self._expected[0] / self._expected[1], requests + 1
+        elif not requests:
+            tokens, requests = self._life
+        return max(tokens / requests, 1.0) if requests else 1.0
+
+    def admission_price(self, speculative: bool) -> float:
+        """Request-seconds an arm's admission of one prompt costs the engine: what its steps with
+        prompt rows took beyond its steps without, times their requests, per prompt they began
+        (before the arm has ``OWN_PRICE_STEPS`` such steps, the cost fit's price of the rows, alike
+        for both arms)."""
+        extra, prompts, steps = self._admission[speculative]
+        if steps >= OWN_PRICE_STEPS and prompts > 0:
+            return extra / prompts
+        seconds_rows, prompts = self._fit_admission
+        return seconds_rows / prompts if prompts else 0.0
+
     def prompt_price(self, speculative: bool) -> float:
-        """Request-seconds of prompt admission per committed token charged to an arm."""
-        extra, tokens, steps = self._admission[speculative]
-        if steps >= OWN_PRICE_STEPS and tokens > 0:
-            return extra / tokens
-        seconds_rows, tokens = self._prompt_price
-        return seconds_rows / tokens if tokens else 0.0
+        """Request-seconds of prompt admission charged to each token an arm commits: its price
+        of one prompt over the tokens a request commits."""
+        return self.admission_price(speculative) / self.tokens_per_request()
 
     def _end_block(self, state: BucketState, load: int) -> None:
         per_token = self.prompt_price(state.running)
@@ -212,7 +252,7 @@ class SpeculationGuard:
             if not told and state.prior is not None and not state.pairs.blocks and state.pending is None:
                 # a bucket met before the model could tell ran plain as a placeholder, not a decision:
                 # the model's arm is its first one
-                state.in_force = state.started = state.prior >= 0
+                state.in_force = state.started = self._model_leads(state.prior)
                 state.before = None
         mean, sd = self._posterior(state)
         if abs(mean) > CONFIDENCE_Z * sd and (mean > 0) != state.in_force:
@@ -220,6 +260,11 @@ class SpeculationGuard:
             state.switches += 1
             state.pending, state.before = None, None  # (the neighbours now belong to the other arm)
         self._run(state, self._next_arm(state))
+
+    @staticmethod
+    def _model_leads(prior: float | None) -> bool:
+        """Whether the model alone puts speculation ahead beyond the interval (a bucket's first arm)."""
+        return prior is not None and prior > CONFIDENCE_Z * MODEL_SPREAD
 
     def _add_pair(self, state: BucketState, after: float) -> None:
         """One reading of ``d``: the explored block against the mean of its in-force neighbours."""

@@ -477,13 +477,13 @@ def cmd_analyze(args) -> int:
 
 
 def _add_eval_parsers(sub) -> None:
-    ev = sub.add_parser("eval", help="tasks x methods through Ray Data's vLLM batch API (or in-process): "
+    ev = sub.add_parser("eval", help="tasks x methods on Ray Data engine actors (or in-process): "
                         "scores with CIs, per-engine speed, report and plots")
     ev.add_argument("--preset", help="configs/NAME.json with an `eval` section (flags override it)")
     ev.add_argument("--tasks", help="comma-separated: humaneval, heldout, FILE.jsonl, lm-eval:NAME")
     ev.add_argument("--methods", help="comma-separated NAME[:field=value...], e.g. ar,prove-lossless,prove:theta=0.05")
     ev.add_argument("--limit", type=int, help="first N items of every task")
-    ev.add_argument("--ray", action="store_true", help="generate on Ray engine actors (ray.data.llm)")
+    ev.add_argument("--ray", action="store_true", help="generate on Ray engine actors (a Ray Data actor pool)")
     ev.add_argument("--address", help="with --ray: a running cluster's address (default: a local cluster)")
     ev.add_argument("--replicas", type=int, help="with --ray: engine actors per method")
     ev.add_argument("--concurrency", help="requests in flight per engine; comma-separated for a sweep, e.g. 1,4,16")

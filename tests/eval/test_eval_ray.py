@@ -1,5 +1,5 @@
-"""`vllm-prove eval` end to end on real vLLM engines: Ray Data's vLLM batch API with one and two
-engine actors per method, and the in-process path resuming a Ray run's output folder.
+"""`vllm-prove eval` end to end on real vLLM engines: a Ray Data actor pool of one and two engine
+actors per method, and the in-process path resuming a Ray run's output folder.
 
 One local Ray cluster for the module; 7 engine starts in all (~4 min on 2 cores)."""
 
@@ -110,24 +110,24 @@ def test_resume_in_process_regenerates_only_the_missing_shard(one_replica):
 
 
 @pytest.mark.parametrize("gpu", [False, True])
-def test_engine_stage_asks_for_cpu_bundles_or_gpus(ray_cluster, gpu):
-    """The engine stage's resources (no engine is started): CPU bundles on a CPU cluster, one
-    GPU per engine on a GPU cluster (`gpu` is what `_cluster_has_gpus` answers there)."""
+def test_engine_actors_ask_for_cpus_or_gpus(ray_cluster, gpu):
+    """The engine actors' pool (no engine is started): a CPU per engine worker on a CPU cluster, a
+    GPU per worker on a GPU cluster (`gpu` is what `_cluster_has_gpus` answers there), one batch
+    at a time per actor, the resolver's engine settings."""
     from vllm_prove.config import DecodeConfig, Method
     from vllm_prove.engine.generate import method_flags
     from vllm_prove.eval import ray_eval
 
     cfg = DecodeConfig(method=Method.PROVE_LOSSLESS)
-    processor = ray_eval.build_processor(cfg, replicas=2, concurrency=4, batch_size=8, gpu=gpu)
-    stage = processor.get_stage_by_name("vLLMEngineStage")
-    assert stage.fn.__name__ == "CountedEngineUDF"
-    kwargs = stage.map_batches_kwargs
-    assert (kwargs.get("num_gpus"), kwargs.get("num_cpus")) == ((1, None) if gpu else (None, 1))
-    assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (2, 2)
-    assert kwargs["compute"].max_tasks_in_flight_per_actor == 1
-    engine = stage.fn_constructor_kwargs["engine_kwargs"]
+    args = ray_eval.actor_pool_args(cfg, replicas=2, concurrency=4, batch_size=8, gpu=gpu)
+    assert args["fn"] is ray_eval.EngineActor and args["batch_size"] == 8
+    assert (args.get("num_gpus"), args.get("num_cpus")) == ((1, None) if gpu else (None, 1))
+    assert (args["compute"].min_size, args["compute"].max_size) == (2, 2)
+    assert args["compute"].max_tasks_in_flight_per_actor == 1
+    engine = args["fn_constructor_kwargs"]["engine_kwargs"]
     assert engine["additional_config"] == method_flags(cfg)["additional_config"]  # the resolver's settings
     assert engine["additional_config"]["prove"]["mode"] == "lossless"
     assert engine["max_num_seqs"] == 4 and engine["dtype"] == "float32"
-    env = stage.map_batches_kwargs["runtime_env"]["env_vars"]
-    assert ("VLLM_CPU_KVCACHE_SPACE" in env) is not gpu
+    assert ("VLLM_CPU_KVCACHE_SPACE" in args["runtime_env"]["env_vars"]) is not gpu
+    ray_data = __import__("ray").data
+    ray_data.from_items([{"x": 1}]).map_batches(**args)  # (Ray Data accepts the arguments; nothing runs lazily)

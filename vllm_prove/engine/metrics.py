@@ -64,14 +64,6 @@ class SpecDecodeSummary:
         }
 
 
-def process_snapshot() -> SpecDecodeSummary:
-    """The counters of every vLLM engine of this process, without an ``LLM`` object (a Ray
-    actor's engine): the reader behind ``LLM.get_metrics()`` (``vllm/v1/metrics/reader.py``)."""
-    from vllm.v1.metrics.reader import get_metrics_snapshot
-
-    return from_engine_metrics(get_metrics_snapshot())
-
-
 def from_engine_metrics(metrics: Iterable) -> SpecDecodeSummary:
     """From ``LLM.get_metrics()`` (``vllm/v1/metrics/reader.py`` Counter / Vector objects)."""
     values: dict[str, object] = {}

@@ -39,7 +39,7 @@ class EvalConfig(BaseModel):
     limit: int | None = Field(None, ge=1)
     """First N items of every task."""
     ray: bool = False
-    """Generate through Ray Data's vLLM batch API (else in-process, same batches)."""
+    """Generate on Ray Data engine actors (else in-process, same batches)."""
     address: str | None = None
     """Ray cluster address (default: start a local cluster)."""
     replicas: int = Field(1, ge=1, le=1024)

@@ -225,6 +225,15 @@ def cmd_bench(args) -> int:
     from vllm_prove.prompts import read_prompts
     from vllm_prove.zoo import HELDOUT_PROMPTS
 
+    if args.preset and args.engine != "vllm":
+        raise ProveError("--preset: the bench's presets run inside vLLM (--engine vllm)")
+    defaults, missing = {}, {}
+    if args.preset:  # the preset's models and decode settings; a tier's missing models leave their rows out
+        preset = _preset(args.preset)
+        defaults = dict(preset.get("decode", {}))
+        if "tier" in preset:
+            missing = {m: f"the {preset['tier']} tier has no {m} yet" for m in ("verifier", "drafter")
+                       if m not in defaults}
     prompts = read_prompts(args.prompts or HELDOUT_PROMPTS)[: args.num_prompts]
     print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, engine={args.engine}, "
           f"in flight={args.batch_sizes}", flush=True)
@@ -234,7 +243,9 @@ def cmd_bench(args) -> int:
         prepare_environment()
         from vllm_prove.eval.engine_bench import HEADER, engine_output_to, run_engine_bench, select_runs
 
-        runs = select_runs(args.methods, args.block_sizes)
+        runs = select_runs(args.methods, args.block_sizes, missing)
+        for why in sorted(set(missing.values())):
+            print(f"rows that need it left out: {why}", flush=True)
         log_path = Path(args.out) / "engines.log"
         if not args.verbose:
             print(f"vLLM's logs: {log_path}", flush=True)
@@ -242,8 +253,7 @@ def cmd_bench(args) -> int:
         with engine_output_to(log_path, enabled=not args.verbose) as console:
             run_engine_bench(prompts, max_tokens=args.max_tokens, in_flight=args.batch_sizes, runs=runs,
                              bf16=args.bf16, repeats=args.repeats, interleave=args.interleave, out_dir=args.out,
-                             log=rows.append,
-                             progress=console)
+                             log=rows.append, progress=console, defaults=defaults)
         print(HEADER)
         print("\n".join(rows))
         if not torch_cuda():
@@ -277,6 +287,8 @@ def _add_bench_parsers(sub) -> None:
         b = sub.add_parser(name, help="side-by-side table of every method on the zoo" if name == "bench"
                            else "the main job on the embedded zoo: every method inside vLLM, side by side")
         b.add_argument("--engine", choices=["vllm", "reference"], default="vllm")
+        b.add_argument("--preset", help="vllm: configs/NAME.json's models and decode settings for every row "
+                       "(e.g. smollm2: the real-checkpoint tier)")
         b.add_argument("--prompts", help="prompt file (default: the zoo's held-out prompts)")
         b.add_argument("--num-prompts", type=int, default=n)
         b.add_argument("--max-tokens", type=int, default=tokens)

@@ -77,3 +77,25 @@ def test_select_runs_keeps_ar_first_and_the_control_only_by_name():
     assert chosen == ["ar", "sd k=5", "ar control"]
     with pytest.raises(ProveError, match=r"--methods: unknown \['ar twin'\]; choose from \[.*'ar control'"):
         engine_bench.select_runs(["ar twin"])
+
+
+def test_select_runs_leaves_out_the_rows_whose_model_a_preset_lacks():
+    """A tier without a verifier or a diffusion drafter (SmolLM2's today): its default rows are
+    the proposer's own (AR, MARS, ProVe-lossless, parallel drafting), and a row that needs the
+    missing model is refused by name, before any engine starts."""
+    from vllm_prove.errors import ProveError
+
+    missing = {"verifier": "the smollm2 tier has no verifier yet", "drafter": "the smollm2 tier has no drafter yet"}
+    rows = engine_bench.select_runs(None, [16], missing)
+    assert [r.label for r in rows] == ["ar", "parallel-draft", "mars tau=0.95", "prove-lossless",
+                                       "prove-lossless adaptive", "prove-lossless B=16"]
+    assert {r.label: r.needs() for r in engine_bench.select_runs(None)}["sd k=5 adaptive"] == "verifier"
+    with pytest.raises(ProveError, match=r"\['prove theta=0.1', 'sdd'\] need a model this preset has not: "
+                                         r"the smollm2 tier has no drafter yet; the smollm2 tier has no verifier"):
+        engine_bench.select_runs(["prove-lossless", "prove theta=0.1", "sdd"], None, missing)
+
+
+def test_pass_costs_without_a_verifier_measure_the_proposers_passes(zoo_models):
+    costs = bench.pass_costs(zoo_models.proposer, None, block=4, rows=1, ks=(3,), context_len=16)
+    assert costs["verifier"] is None and costs["verifier_block"] is None
+    assert costs["window"] > 0 and costs["verify_sd"][3] > 0

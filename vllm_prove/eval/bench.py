@@ -51,8 +51,8 @@ def pass_seconds(model, context_len: int, num_tokens: int, rows: int = 1, repeat
 def pass_costs(proposer, verifier, block: int, rows: int = 1, ks=(3, 5), context_len: int = 64) -> dict:
     """Seconds of every pass a method's cycle is made of, `rows` requests at a time:
     AR step, window (B tokens), verify (B + 1), verifier over the block and over one token
-    (an SD draft step), SD verify (k + 1)."""
-    run = lambda model, n: pass_seconds(model, context_len, n, rows)  # noqa: E731
+    (an SD draft step; None without a verifier), SD verify (k + 1)."""
+    run = lambda model, n: None if model is None else pass_seconds(model, context_len, n, rows)  # noqa: E731
     return {"rows": rows, "ar": run(proposer, 1), "window": run(proposer, block), "verify": run(proposer, block + 1),
             "verifier_block": run(verifier, block), "verifier": run(verifier, 1),
             "verify_sd": {k: run(proposer, k + 1) for k in ks}}

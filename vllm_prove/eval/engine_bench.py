@@ -60,6 +60,14 @@ class EngineRun:
     def flags(self, cfg: DecodeConfig) -> dict:
         return engine_gen.parallel_draft_flags(cfg) if self.parallel_draft else engine_gen.method_flags(cfg)
 
+    def needs(self) -> str | None:
+        """The model besides the proposer this row loads: "verifier" (SD's drafter, ProVe's
+        verifier), "drafter" (the SDD family's), or None."""
+        method = self.config().method
+        if method.diffusion:
+            return "drafter"
+        return "verifier" if method in (Method.SD, Method.PROVE) and not self.parallel_draft else None
+
 
 FIXED = {"adaptive": False}  # the full depth every step (vLLM's own SD: no plug-in at all)
 ENGINE_RUNS = [
@@ -101,17 +109,25 @@ def sweep_runs(block_sizes, default_block_size: int) -> list[EngineRun]:
     return runs
 
 
-def select_runs(methods: list[str] | None, block_sizes: list[int] | None = None) -> list[EngineRun]:
+def select_runs(methods: list[str] | None, block_sizes: list[int] | None = None,
+                missing: dict[str, str] | None = None) -> list[EngineRun]:
     """The bench's rows: every row, or those whose label is in `methods` (AR is always first:
-    the ratios need it; the A/A control only by name), plus the block-size sweep."""
-    runs = ENGINE_RUNS
+    the ratios need it; the A/A control only by name), plus the block-size sweep. `missing`
+    names the models a preset lacks (``{"verifier": why}``): rows that need one are left out of
+    the default set and refused by name."""
+    runs, missing = ENGINE_RUNS, missing or {}
     if methods:
         known = [r.label for r in ENGINE_RUNS + CONTROL_RUNS]
         unknown = [m for m in methods if m not in known]
         if unknown:
             raise ProveError(f"--methods: unknown {unknown}; choose from {known}")
         runs = [r for r in ENGINE_RUNS + CONTROL_RUNS if r.label == "ar" or r.label in methods]
-    return list(runs) + sweep_runs(block_sizes or [], DecodeConfig().block_size)
+        refused = {r.label: missing[r.needs()] for r in runs if r.needs() in missing}
+        if refused:
+            raise ProveError(f"--methods: {sorted(refused)} need a model this preset has not: "
+                             + "; ".join(sorted(set(refused.values()))))
+    runs = list(runs) + sweep_runs(block_sizes or [], DecodeConfig().block_size)
+    return [r for r in runs if r.needs() not in missing]
 
 
 @contextlib.contextmanager
@@ -200,12 +216,13 @@ class _Engine:
     reps: dict = field(default_factory=dict)  # in flight -> [(results, driven, spec delta)]
 
 
-def _start(run: EngineRun, max_tokens: int, max_num_seqs: int, stack: contextlib.ExitStack) -> _Engine:
+def _start(run: EngineRun, max_tokens: int, max_num_seqs: int, stack: contextlib.ExitStack,
+           defaults: dict | None = None) -> _Engine:
     """Start `run`'s engine inside `stack` and fill it once (the speed probe)."""
     import psutil
     from vllm import SamplingParams
 
-    cfg = run.config(max_tokens=max_tokens)
+    cfg = run.config(**(defaults or {}), max_tokens=max_tokens)
     t_start = time.perf_counter()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     llm = stack.enter_context(engine_gen.engine(engine_gen.engine_kwargs(cfg, run.flags(cfg),
@@ -236,7 +253,7 @@ def _drive_once(eng: _Engine, prompts: list[str], params, n: int) -> None:
 
 def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 4, 16), runs=None,
                      bf16: bool = False, repeats: int = 1, interleave: bool = False,
-                     out_dir: str | Path | None = None, log=print, progress=None) -> dict:
+                     out_dir: str | Path | None = None, log=print, progress=None, defaults: dict | None = None) -> dict:
     """Run every configuration; `log(line)` gets each table row as its engine finishes;
     `progress` (a stream) shows one bar over all engines and concurrencies. With `repeats` > 1
     each concurrency runs that many times: a row reports the median tokens/s, the median of the
@@ -248,7 +265,9 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     compares runs seconds apart, not minutes (this machine's speed drifts by 10-30% over
     minutes); repeat i starts at the i-th engine (AR first in repeat 0), so no engine always
     runs right after AR or last. It needs the memory of all engines at once,
-    so it runs on the CPU only (each GPU engine takes vLLM's `gpu_memory_utilization` of 0.9)."""
+    so it runs on the CPU only (each GPU engine takes vLLM's `gpu_memory_utilization` of 0.9).
+    `defaults`: DecodeConfig fields every row starts from (a preset's models and decode settings;
+    a row's own fields win)."""
     if repeats < 1:
         raise ProveError(f"--repeats: at least 1, got {repeats}")
     if interleave and torch.cuda.is_available():
@@ -262,9 +281,11 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     from vllm_prove.paths import zoo_path
 
     runs = list(ENGINE_RUNS if runs is None else runs) + (BF16_RUNS if bf16 else [])
-    base = DecodeConfig(max_tokens=max_tokens)
+    defaults = dict(defaults or {})
+    base = DecodeConfig(**defaults, max_tokens=max_tokens)
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
-    proposer, verifier = load(base.proposer or zoo_path("proposer")), load(base.verifier or zoo_path("verifier"))
+    proposer = load(base.proposer or zoo_path("proposer"))
+    verifier = load(base.verifier or zoo_path("verifier")) if any(r.needs() == "verifier" for r in runs) else None
     costs: dict[tuple[int, int], dict] = {}  # (block size, rows) -> pass seconds, measured once each
 
     def cost(block: int, n: int) -> dict:
@@ -295,7 +316,7 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
 
     if interleave:
         with contextlib.ExitStack() as stack:
-            engines = [_start(run, max_tokens, max(in_flight), stack) for run in runs]
+            engines = [_start(run, max_tokens, max(in_flight), stack, defaults) for run in runs]
             for n in in_flight:
                 for i in range(repeats):
                     for eng in engines[i % len(engines):] + engines[: i % len(engines)]:  # (turns rotate)
@@ -306,14 +327,14 @@ def run_engine_bench(prompts: list[str], *, max_tokens: int = 48, in_flight=(1, 
     else:
         for run in runs:
             with contextlib.ExitStack() as stack:
-                eng = _start(run, max_tokens, max(in_flight), stack)
+                eng = _start(run, max_tokens, max(in_flight), stack, defaults)
                 for n in in_flight:
                     for _ in range(repeats):
                         drive(eng, n)
                 report(eng)
     bar.close()
     report_ = {"prompts": len(prompts), "max_tokens": max_tokens, "in_flight": list(in_flight), "repeats": repeats,
-               "interleave": interleave,
+               "interleave": interleave, "defaults": defaults,
                "pass_seconds": {f"B={b} n={n}": c for (b, n), c in costs.items()}, "rows": rows,
                "machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "torch": torch.__version__}}
     if out_dir is not None:

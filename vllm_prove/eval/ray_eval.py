@@ -26,6 +26,7 @@ and its streaming of rows through an async engine (a batch here is one ``LLM.gen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -57,10 +58,10 @@ class EngineActor:
     Called by Ray Data with a batch of columns (a Ray actor), or ``generate`` directly."""
 
     def __init__(self, engine_kwargs: dict, engine_id: str | None = None) -> None:
-        engine_gen.prepare_environment()
-        from vllm import LLM, SamplingParams
+        self._stack = contextlib.ExitStack()
+        self.llm = self._stack.enter_context(engine_gen.engine(engine_kwargs))
+        from vllm import SamplingParams
 
-        self.llm = LLM(**engine_kwargs)
         if engine_id is None:
             import ray
 
@@ -92,7 +93,7 @@ class EngineActor:
         return {key: [r[key] for r in records] for key in records[0]}
 
     def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        self._stack.close()
 
 
 def connect(address: str | None, replicas: int) -> None:

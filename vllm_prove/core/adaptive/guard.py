@@ -102,13 +102,13 @@ class SpeculationGuard:
         self._buckets: dict[int, BucketState] = {}
         # [weighted squared residuals, weight] of the pairs' readings: two prior readings at MODEL_SPREAD
         self._noise = [2 * MODEL_SPREAD ** 2, 2.0]
-        self._fit_admission = [0.0, 0]  # [request-seconds of prompt rows at the fit's price, prompts], the engine's life
+        self._fit_prompt_seconds = 0.0  # request-seconds of prompt rows at the fit's price, the engine's life
         # per arm, the engine's life: [request-seconds its steps with prompt rows took beyond its
         # steps without, prompts they admitted, steps with prompt rows]
         self._admission = {False: [0.0, 0, 0], True: [0.0, 0, 0]}
         self._lengths = [0, 0]  # [tokens, requests]: finished requests' output lengths
         self._expected = [0, 0]  # [tokens, requests]: admitted requests' length limits (max_tokens)
-        self._life = [0, 0]  # [committed tokens, admitted prompts], the engine's life (a length when nothing else is known)
+        self._life = [0, 0]  # [committed tokens, admitted prompts], the engine's life
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -137,8 +137,7 @@ class SpeculationGuard:
         ``SETTLE_STEPS`` of a run count only as time."""
         if seconds <= 0 or requests <= 0:
             return
-        self._fit_admission[0] += min(max(prefill_seconds, 0.0), seconds) * requests
-        self._fit_admission[1] += admitted
+        self._fit_prompt_seconds += min(max(prefill_seconds, 0.0), seconds) * requests
         self._life[0] += committed or 0
         self._life[1] += admitted
         state = self.state(load)
@@ -218,8 +217,8 @@ class SpeculationGuard:
         extra, prompts, steps = self._admission[speculative]
         if steps >= OWN_PRICE_STEPS and prompts > 0:
             return extra / prompts
-        seconds_rows, prompts = self._fit_admission
-        return seconds_rows / prompts if prompts else 0.0
+        prompts = self._life[1]
+        return self._fit_prompt_seconds / prompts if prompts else 0.0
 
     def prompt_price(self, speculative: bool) -> float:
         """Request-seconds of prompt admission charged to each token an arm commits: its price

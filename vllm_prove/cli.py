@@ -147,6 +147,12 @@ def cmd_zoo(args) -> int:
                 if args.report:
                     Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
                 print(json.dumps(report))
+    elif args.zoo_cmd == "student":
+        from vllm_prove.train.student import build_student
+
+        print(json.dumps(build_student(args.base, args.out, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                       kv_heads=args.kv_heads, intermediate=args.intermediate,
+                                       mask_token=args.mask_token, seed=args.seed)))
     elif args.zoo_cmd == "prompts":
         from vllm_prove.zoo import corpus as corpus_mod
 
@@ -178,6 +184,15 @@ def _training_data(data: str) -> str:
     return str(path)
 
 
+def _targets_engine(args, writer: str | None):
+    """`--targets-engine vllm`: vLLM writes the distillation targets of `writer` (else transformers)."""
+    if args.targets_engine != "vllm" or writer is None:
+        return None
+    from vllm_prove.engine.targets import VllmContinuations
+
+    return VllmContinuations(writer)
+
+
 def cmd_train(args) -> int:
     from vllm_prove.train.recipes import train_diffusion, train_mars, train_verifier
 
@@ -204,16 +219,13 @@ def cmd_train(args) -> int:
                                          "min_mask_ratio": args.min_mask_ratio}.items() if v is not None}
         result = train_diffusion(model=args.model, data=args.data, out=args.out, target=args.target,
                                  resume=args.resume, num_contexts=args.num_contexts,
-                                 max_new_tokens=args.max_new_tokens, **overrides)
+                                 max_new_tokens=args.max_new_tokens,
+                                 continuations=_targets_engine(args, args.target), **overrides)
     elif args.train_cmd == "mars":
-        continuations = None
-        if args.targets_engine == "vllm":
-            from vllm_prove.engine.targets import VllmContinuations
-
-            continuations = VllmContinuations(args.model)
         result = train_mars(model=args.model, data=args.data, out=args.out, resume=args.resume,
                             self_distill=args.self_distill, rounds=args.rounds, num_contexts=args.num_contexts,
-                            max_new_tokens=args.max_new_tokens, continuations=continuations, **overrides)
+                            max_new_tokens=args.max_new_tokens, continuations=_targets_engine(args, args.model),
+                            **overrides)
     else:
         result = train_verifier(model=args.model, data=args.data, out=args.out, resume=args.resume,
                                 proposer=args.proposer, **overrides)
@@ -335,6 +347,15 @@ def _add_zoo_parsers(sub) -> None:
                       help="report the MARS proposer beside its base on held-out text (matching prefix, "
                            "next-token agreement, perplexity)")
     real.add_argument("--report", help="with --evaluate: also write the report to this .json")
+    student = zoo.add_parser("student", help="an untrained small model on a base checkpoint's tokenizer, its embedding "
+                             "the base's projected to --hidden (train it with `train diffusion`)")
+    student.add_argument("--base", required=True, help="the base HF checkpoint (e.g. the materialized SmolLM2)")
+    student.add_argument("--out", required=True)
+    student.add_argument("--mask-token", required=True,
+                         help="a special token of the base's vocabulary that text never contains (the mask placeholder)")
+    for flag, default in (("--hidden", 192), ("--layers", 6), ("--heads", 3), ("--kv-heads", 1),
+                          ("--intermediate", 512), ("--seed", 0)):
+        student.add_argument(flag, type=int, default=default)
     evaluate = zoo.add_parser("evaluate", help="recompute the manifest's held-out numbers from the shipped weights")
     evaluate.add_argument("--out", help="zoo folder (default: the packaged zoo)")
     prompts = zoo.add_parser("prompts", help="cut held-out prompts (as the zoo's) from any folder of Python code "
@@ -365,6 +386,10 @@ def _add_train_parsers(sub) -> None:
         for flag, typ in (("--steps", int), ("--lr", float), ("--batch-size", int), ("--seq-len", int),
                           ("--block-size", int), ("--checkpoint-every", int)):
             t.add_argument(flag, type=typ)
+        if name in ("mars", "diffusion"):
+            t.add_argument("--targets-engine", choices=("transformers", "vllm"), default="transformers",
+                           help="who writes the distillation targets (mars: --self-distill; diffusion: --target); "
+                                "vllm is many times faster for a real checkpoint")
         if name == "mars":
             t.add_argument("--ar-weight", type=float)
             t.add_argument("--lora-rank", type=int,
@@ -373,9 +398,6 @@ def _add_train_parsers(sub) -> None:
             t.add_argument("--self-distill", action="store_true",
                            help="targets = the model's own greedy continuations of contexts from --data")
             t.add_argument("--rounds", type=int, default=1, help="self-distill: regenerate targets this many times")
-            t.add_argument("--targets-engine", choices=("transformers", "vllm"), default="transformers",
-                           help="self-distill (anchor teacher): who writes the targets; vllm is many times faster "
-                                "for a real checkpoint")
             t.add_argument("--num-contexts", type=int, default=4096, help="self-distill: contexts per round")
             t.add_argument("--max-new-tokens", type=int, default=64, help="self-distill: continuation length")
             t.add_argument("--soft-weight", type=float, help="self-distill: share of KL to the teacher in the block loss")

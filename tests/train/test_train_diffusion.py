@@ -9,8 +9,8 @@ from train_tiny import MASK_TOKEN_ID, CountingLanguage, tiny_qwen2
 from vllm_prove.config import TrainConfig
 from vllm_prove.reference.drafter import DiffusionDrafter
 from vllm_prove.train.data import TokenBatch
-from vllm_prove.train.diffusion import (NO_BLOCK, diffusion_attention_mask, diffusion_logits, response_blocks,
-                                        sample_noise)
+from vllm_prove.train.diffusion import (NO_BLOCK, diffusion_attention_mask, diffusion_logits, diffusion_loss,
+                                        response_blocks, sample_noise)
 from vllm_prove.train.trainer import train
 
 
@@ -71,6 +71,27 @@ def test_a_masked_token_is_never_visible_to_its_own_prediction(shift):
         b = diffusion_logits(model, TokenBatch(other, batch.response_mask), MASK_TOKEN_ID, 3, masked, shift)
     torch.testing.assert_close(a[0, 2:5], b[0, 2:5])
     assert not torch.allclose(a[0, 5:], b[0, 5:])  # block 1 does read block 0's real tokens
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_kept_positions_are_the_full_outputs_there_and_the_loss_reads_only_masks(shift):
+    """The output layer runs on the masked positions only: the same logits as the full
+    [batch, seq, vocab] there, and the loss is the full logits' CE over the masks."""
+    model = tiny_qwen2(seed=5).eval()
+    batch = TokenBatch(torch.tensor([[1, 4, 7, 10, 13, 16, 19, 22], [2, 5, 8, 11, 14, 17, 20, 23]]),
+                       torch.tensor([[False, False] + [True] * 6, [False] * 3 + [True] * 5]))
+    masked = torch.tensor([[False, False, True, False, True, False, True, True],
+                           [False, False, False, True, True, False, False, True]])
+    with torch.no_grad():
+        full = diffusion_logits(model, batch, MASK_TOKEN_ID, 3, masked, shift)  # [batch, seq, vocab]
+        kept = diffusion_logits(model, batch, MASK_TOKEN_ID, 3, masked, shift, keep=masked)
+        torch.testing.assert_close(kept, full[masked])
+        gen = torch.Generator().manual_seed(0)
+        parts = diffusion_loss(model, batch, MASK_TOKEN_ID, 3, gen, logits_shift=shift)
+        noise = sample_noise(response_blocks(batch, 3), 0.05, torch.Generator().manual_seed(0))
+        full = diffusion_logits(model, batch, MASK_TOKEN_ID, 3, noise, shift)
+        expected = torch.nn.functional.cross_entropy(full[noise], batch.input_ids[noise])
+    torch.testing.assert_close(parts["loss"], expected)
 
 
 @pytest.mark.slow

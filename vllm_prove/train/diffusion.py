@@ -77,9 +77,11 @@ def sample_noise(blocks: torch.Tensor, min_mask_ratio: float, gen: torch.Generat
 
 
 def diffusion_logits(model, batch: TokenBatch, mask_token_id: int, gamma: int, masked: torch.Tensor,
-                     logits_shift: bool = False) -> torch.Tensor:
+                     logits_shift: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
     """# [batch, seq, vocab]: the drafter's prediction for each position's token, given the noisy
-    copy that masks `masked` # [batch, seq] (layout and conventions in the module docstring)."""
+    copy that masks `masked` # [batch, seq] (layout and conventions in the module docstring).
+    With `keep` # [batch, seq] bool: # [kept, vocab], the predictions at those positions only (the
+    output layer is a drafter's largest matmul where the vocabulary is large)."""
     ids = batch.input_ids  # [batch, seq]
     bsz, seq = ids.shape
     blocks = response_blocks(batch, gamma)  # [batch, seq]
@@ -88,15 +90,15 @@ def diffusion_logits(model, batch: TokenBatch, mask_token_id: int, gamma: int, m
     noisy = torch.where(masked, torch.full_like(ids, mask_token_id), ids)
     allowed = diffusion_attention_mask(blocks, gamma_start)  # [batch, 2 * seq, 2 * seq]
     positions = torch.cat([torch.arange(seq), torch.arange(seq)])[None].expand(bsz, -1)
-    logits = model(input_ids=torch.cat([ids, noisy], dim=1), position_ids=positions,
-                   attention_mask=model_attention_mask(model, allowed[:, None])).logits  # [batch, 2 * seq, vocab]
-    clean, noisy_logits = logits[:, :seq], logits[:, seq:]
-    if not logits_shift:
-        return noisy_logits
-    # the output at p - 1 predicts p: the clean copy's at a block start, else the noisy copy's
-    first = (pos == gamma_start)[..., None]  # [batch, seq, 1]
-    prev = lambda x: torch.cat([x[:, :1], x[:, :-1]], dim=1)  # noqa: E731  x[p - 1] at p
-    return torch.where(first, prev(clean), prev(noisy_logits))
+    hidden = model.get_decoder()(input_ids=torch.cat([ids, noisy], dim=1), position_ids=positions,
+                                 attention_mask=model_attention_mask(model, allowed[:, None])).last_hidden_state
+    clean, out = hidden[:, :seq], hidden[:, seq:]  # [batch, seq, hidden] each
+    if logits_shift:
+        # the output at p - 1 predicts p: the clean copy's at a block start, else the noisy copy's
+        first = (pos == gamma_start)[..., None]  # [batch, seq, 1]
+        prev = lambda x: torch.cat([x[:, :1], x[:, :-1]], dim=1)  # noqa: E731  x[p - 1] at p
+        out = torch.where(first, prev(clean), prev(out))
+    return model.get_output_embeddings()(out if keep is None else out[keep])
 
 
 def diffusion_loss(model, batch: TokenBatch, mask_token_id: int, gamma: int, gen: torch.Generator,
@@ -104,9 +106,7 @@ def diffusion_loss(model, batch: TokenBatch, mask_token_id: int, gamma: int, gen
     """Mean CE of the masked response tokens."""
     ids = batch.input_ids  # [batch, seq]
     masked = sample_noise(response_blocks(batch, gamma), min_mask_ratio, gen)  # [batch, seq]
-    pred = diffusion_logits(model, batch, mask_token_id, gamma, masked, logits_shift)  # [batch, seq, vocab]
-    ce = F.cross_entropy(pred.flatten(0, 1).float(), ids.flatten(), reduction="none").view_as(ids)
-    weight = masked.float()
-    loss = (ce * weight).sum() / weight.sum().clamp(min=1.0)
+    pred = diffusion_logits(model, batch, mask_token_id, gamma, masked, logits_shift, keep=masked)  # [masked, vocab]
+    loss = F.cross_entropy(pred.float(), ids[masked]) if bool(masked.any()) else pred.sum() * 0.0
     return {"loss": loss, "masked_ce": loss.detach(),
-            "mask_ratio": weight.sum() / batch.response_mask.sum().clamp(min=1)}
+            "mask_ratio": masked.sum() / batch.response_mask.sum().clamp(min=1)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -141,14 +142,18 @@ def train_verifier(*, model: str, data: str, out: str, proposer: str, resume: bo
 
 
 def train_diffusion(*, model: str, data: str, out: str, target: str | None = None, resume: bool = False,
-                    num_contexts: int = 4096, max_new_tokens: int = 64, **overrides) -> dict:
+                    num_contexts: int = 4096, max_new_tokens: int = 64, continuations=None, **overrides) -> dict:
     """Block-diffusion drafter training (docs/METHODS.md §7, train/diffusion.py) of `model`.
 
     With `target` (an AR checkpoint, recommended): the drafter learns the target's greedy
     continuations of contexts cut from `data` (plain text), generated once and stored in
     `OUT/targets/` (resumable, fingerprinted), since what a draft must match is the target's
     output. Without it: masked-block training on `data` itself. The drafter's config.json
-    records its layout (`diffusion_drafter`: kind `block`, `logits_shift`) and its mask id."""
+    records its layout (`diffusion_drafter`: kind `block`, `logits_shift`) and its mask id. A
+    student of a real checkpoint (`train/student.py`) trains with its projected embedding frozen,
+    and `OUT/artefact/` holds what ships (`export_student`). `continuations`: who writes the
+    target's continuations (`distill.build_targets`; default transformers' `generate`)."""
+    from vllm_prove.train.student import PROJECTION, export_student, freeze_embedding
     from vllm_prove.train.data import StreamDataset
     from vllm_prove.train.distill import build_targets, distill_dataset
 
@@ -164,11 +169,19 @@ def train_diffusion(*, model: str, data: str, out: str, target: str | None = Non
             raise ProveError(f"--target cuts contexts from plain text; {data} holds prompt/response rows")
         examples = build_targets(t_lm.eval(), ds, Path(out) / "targets", num_contexts=num_contexts,
                                  max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, seed=cfg.seed + 17,
-                                 generator_name=str(target))
+                                 generator_name=str(target), continuations=continuations)
+        if continuations is not None:
+            continuations.close()
         ds = distill_dataset(examples, tok.eos_token_id)
+    elif continuations is not None:
+        raise ProveError("a targets engine writes the target's continuations: it needs --target")
+    student = freeze_embedding(lm)
     result = train(lm, ds, cfg, mask_token_id=mask_id, out_dir=out, tokenizer=tok, resume=resume,
                    desc="diffusion drafter")
     lm.config.diffusion_drafter = {"kind": "block", "logits_shift": cfg.logits_shift}
+    if student:
+        result |= {"artefact": export_student(lm, model, Path(out) / "artefact")}
+        shutil.copy(Path(model) / PROJECTION, Path(out) / PROJECTION)
     lm.save_pretrained(out)
     tok.save_pretrained(out)
     return result | {"out": str(Path(out)), "mask_token_id": mask_id}

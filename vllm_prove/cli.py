@@ -60,8 +60,13 @@ def _preset(name: str) -> dict:
     if preset.get("tier") == "smollm2":
         from vllm_prove.zoo import real
 
-        real.materialize_proposer(log=lambda line: print(line, file=sys.stderr))
-        preset["decode"] = {"proposer": str(real.proposer_dir()), **preset.get("decode", {})}
+        log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        real.materialize_proposer(log=log)
+        models = {"proposer": str(real.proposer_dir())}
+        if (real.DRAFTER_ARTEFACT / "config.json").is_file():
+            real.materialize_drafter(log=log)
+            models["drafter"] = str(real.drafter_dir())
+        preset["decode"] = {**models, **preset.get("decode", {})}
     elif "tier" in preset:
         raise ProveError(f"preset {name!r}: unknown tier {preset['tier']!r} (known: smollm2)")
     return preset
@@ -142,6 +147,10 @@ def cmd_zoo(args) -> int:
             out = base.with_name(real.PROPOSER_NAME) if base else None
             proposer = real.materialize_proposer(out=out, base=base, force=args.force)
             print(json.dumps({k: proposer[k] for k in ("name", "num_parameters", "mask_token_id", "adapter_sha256")}))
+            if (real.DRAFTER_ARTEFACT / "config.json").is_file():
+                drafter = real.materialize_drafter(out=base.with_name(real.DRAFTER_NAME) if base else None,
+                                                   proposer=out, base=base, force=args.force)
+                print(json.dumps({k: drafter[k] for k in ("name", "num_parameters", "artefact_sha256")}))
             if args.evaluate:
                 report = real.evaluate_proposer(out, base, log=lambda line: None)
                 if args.report:

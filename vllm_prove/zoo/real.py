@@ -39,6 +39,8 @@ MANIFEST = "prove_manifest.json"
 ARTEFACTS = Path(__file__).resolve().parent / "smollm2"  # the tier's committed artefacts
 PROPOSER_ADAPTER = ARTEFACTS / "proposer-adapter"
 PROPOSER_NAME = NAME + "-mars"
+DRAFTER_ARTEFACT = ARTEFACTS / "drafter"  # a student of the proposer (train/student.py), trained as its SDD drafter
+DRAFTER_NAME = NAME + "-drafter"
 
 
 def cache_dir() -> Path:
@@ -55,6 +57,10 @@ def real_dir() -> Path:
 
 def proposer_dir() -> Path:
     return cache_dir() / PROPOSER_NAME
+
+
+def drafter_dir() -> Path:
+    return cache_dir() / DRAFTER_NAME
 
 
 def locate_gguf() -> Path:
@@ -215,6 +221,33 @@ def materialize_proposer(adapter: Path = PROPOSER_ADAPTER, out: Path | None = No
                 "license": "Apache-2.0", "seconds": round(time.perf_counter() - t0, 1)}
     _publish(tmp, out, manifest)
     log(f"{out}: merged proposer ({manifest['num_parameters']:,} parameters, mask id {mask_id})")
+    return manifest
+
+
+def materialize_drafter(artefact: Path = DRAFTER_ARTEFACT, out: Path | None = None, proposer: Path | None = None,
+                        base: Path | None = None, force: bool = False, log=print) -> dict:
+    """Rebuild the tier's diffusion drafter at ``out`` (default ``drafter_dir()``) from its shipped
+    artefact and the merged proposer (materialized first: the drafter's embedding is the
+    proposer's, projected; ``train/student.py``); idempotent like ``materialize``."""
+    from vllm_prove.train.student import rebuild_student
+
+    if not (artefact / "config.json").is_file():
+        raise ProveError(f"{artefact}: no drafter artefact (train one: vllm-prove zoo student, then train diffusion)")
+    proposer_manifest = materialize_proposer(out=proposer, base=base, log=log)
+    proposer = Path(proposer) if proposer is not None else proposer_dir()
+    out = Path(out) if out is not None else drafter_dir()
+    sources = {"artefact_sha256": _folder_sha256(artefact), "proposer_adapter_sha256": proposer_manifest["adapter_sha256"]}
+    manifest = read_manifest(out)
+    if manifest is not None and all(manifest.get(k) == v for k, v in sources.items()) and not force:
+        log(f"{out}: up to date (artefact {sources['artefact_sha256'][:12]})")
+        return manifest
+    t0 = time.perf_counter()
+    tmp = out.with_name(out.name + ".partial")
+    count = rebuild_student(artefact, proposer, tmp)
+    manifest = {"format": FORMAT, "name": DRAFTER_NAME, "num_parameters": count, "artefact": str(artefact),
+                **sources, "license": "Apache-2.0", "seconds": round(time.perf_counter() - t0, 1)}
+    _publish(tmp, out, manifest)
+    log(f"{out}: diffusion drafter ({count:,} parameters)")
     return manifest
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -153,7 +152,7 @@ def train_diffusion(*, model: str, data: str, out: str, target: str | None = Non
     student of a real checkpoint (`train/student.py`) trains with its projected embedding frozen,
     and `OUT/artefact/` holds what ships (`export_student`). `continuations`: who writes the
     target's continuations (`distill.build_targets`; default transformers' `generate`)."""
-    from vllm_prove.train.student import PROJECTION, export_student, freeze_embedding
+    from vllm_prove.train.student import copy_projection, export_student, freeze_embedding
     from vllm_prove.train.data import StreamDataset
     from vllm_prove.train.distill import build_targets, distill_dataset
 
@@ -181,7 +180,7 @@ def train_diffusion(*, model: str, data: str, out: str, target: str | None = Non
     lm.config.diffusion_drafter = {"kind": "block", "logits_shift": cfg.logits_shift}
     if student:
         result |= {"artefact": export_student(lm, model, Path(out) / "artefact")}
-        shutil.copy(Path(model) / PROJECTION, Path(out) / PROJECTION)
+        copy_projection(model, out)
     lm.save_pretrained(out)
     tok.save_pretrained(out)
     return result | {"out": str(Path(out)), "mask_token_id": mask_id}

@@ -23,7 +23,7 @@ import torch
 
 from vllm_prove.errors import ProveError
 
-PROJECTION = "embed_projection.safetensors"
+PROJECTION = "prove_student/embed_projection.safetensors"  # (a sub-folder: vLLM loads every top-level *.safetensors)
 WEIGHTS = "model.safetensors"
 STUDENT_KEY = "prove_student"  # config.json: {"base_hidden", "projection"}
 
@@ -81,13 +81,25 @@ def build_student(base: str | Path, out: str | Path, *, hidden: int = 192, layer
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    save_file({"projection": p}, out / PROJECTION)
+    _write_projection(p, out)
     count = sum(t.numel() for t in model.parameters())
     centred = embed.double() - embed.double().mean(0)
     kept = float((centred @ p.double()).pow(2).sum() / centred.pow(2).sum())  # P's columns are orthonormal
     return {"out": str(out), "num_parameters": count, "embedding_parameters": model.get_input_embeddings().weight.numel(),
             "mask_token": mask_token, "mask_token_id": mask_id, "hidden": hidden, "layers": layers,
             "embedding_variance_kept": round(kept, 4)}
+
+
+def _write_projection(p: torch.Tensor, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    (out / PROJECTION).parent.mkdir(parents=True, exist_ok=True)
+    save_file({"projection": p}, out / PROJECTION)
+
+
+def copy_projection(src: str | Path, out: str | Path) -> None:
+    (Path(out) / PROJECTION).parent.mkdir(parents=True, exist_ok=True)
+    (Path(out) / PROJECTION).write_bytes((Path(src) / PROJECTION).read_bytes())
 
 
 def freeze_embedding(model) -> bool:
@@ -115,7 +127,7 @@ def export_student(model, folder: str | Path, out: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / WEIGHTS)
     model.config.to_json_file(out / "config.json")
-    (out / PROJECTION).write_bytes((folder / PROJECTION).read_bytes())
+    copy_projection(folder, out)
     return {"out": str(out), "shipped_parameters": sum(w.numel() for w in weights.values())}
 
 
@@ -146,6 +158,6 @@ def rebuild_student(artefact: str | Path, base: str | Path, out: str | Path) -> 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    (out / PROJECTION).write_bytes((artefact / PROJECTION).read_bytes())
+    copy_projection(artefact, out)
     json.loads((out / "config.json").read_text())  # a complete folder
     return sum(t.numel() for t in model.parameters())

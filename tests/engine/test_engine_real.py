@@ -35,12 +35,18 @@ def _generate(prompt_file, tmp_path, method: str, in_flight: int, *extra: str) -
     return [json.loads(line)["token_ids"] for line in out.read_text().splitlines()], json.loads(summary.read_text())
 
 
+@pytest.fixture(scope="module")
+def ar(prompt_file, tmp_path_factory):
+    """AR at 8 in flight: greedy decoding here gives the same tokens at any batch size
+    (tests/engine/test_engine_lossless.py), and one request in flight would take 20 s more."""
+    return _generate(prompt_file, tmp_path_factory.mktemp("ar"), "ar", 8)[0]
+
+
 @pytest.mark.parametrize("in_flight, depth", [(1, "fixed"), (8, "adaptive")])
-def test_lossless_on_the_real_proposer_equals_ar(prompt_file, tmp_path, in_flight, depth):
+def test_lossless_on_the_real_proposer_equals_ar(prompt_file, tmp_path, ar, in_flight, depth):
     """At one in flight the fixed depth (every step speculates: the trained mask row must propose
     more than y_1 per cycle, 2.4 measured); at 8 the default engine, whose guard decides per load
     whether to speculate (its cycles are not bounded here: that is the guard's choice)."""
-    ar, _ = _generate(prompt_file, tmp_path, "ar", in_flight)
     lossless, summary = _generate(prompt_file, tmp_path, "prove-lossless", in_flight,
                                   *(["--fixed-depth"] if depth == "fixed" else []))
     assert lossless == ar
@@ -50,3 +56,15 @@ def test_lossless_on_the_real_proposer_equals_ar(prompt_file, tmp_path, in_fligh
         assert summary["adaptive"] is True and summary["adaptive_depth"]["steps"] > 0
     manifest = json.loads((real.proposer_dir() / real.MANIFEST).read_text())
     assert manifest["mask_token_id"] == 49152 and manifest["num_parameters"] == real.NUM_PARAMETERS + 576
+
+
+@pytest.mark.skipif(not (real.DRAFTER_ARTEFACT / "config.json").is_file(), reason="no shipped drafter")
+def test_strict_sdd_with_the_tiers_drafter_equals_ar(prompt_file, tmp_path, ar):
+    """Strict SDD (mode sdd) on the tier: the drafter rebuilt from its artefact drafts, the
+    proposer verifies every block, the tokens are AR's."""
+    sdd, summary = _generate(prompt_file, tmp_path, "sdd", 8)
+    assert sdd == ar
+    assert summary["verifier_calls"] > 0 and summary["draft_blocks"] >= summary["verifier_calls"]
+    assert summary["committed_per_cycle"] > 1.0  # a trained drafter's blocks are accepted beyond y_1
+    manifest = json.loads((real.drafter_dir() / real.MANIFEST).read_text())
+    assert manifest["artefact_sha256"] and manifest["num_parameters"] > 0

@@ -86,3 +86,34 @@ def test_the_proposer_is_the_shipped_adapter_merged_into_the_base(materialized, 
         base_logits = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(input_ids=ids[:, :-7]).logits
     assert torch.allclose(got, want, atol=1e-4)
     assert (got[:, : ids.shape[1] - 7, :49152] - base_logits).abs().max() > 1e-3  # the adapter moved it
+
+
+@pytest.mark.skipif(not (real.DRAFTER_ARTEFACT / "config.json").is_file(), reason="no shipped drafter")
+def test_the_drafter_is_rebuilt_from_its_artefact_and_the_proposer(materialized, tmp_path):
+    """The drafter round trip: its embedding is the proposer's, projected by the shipped
+    projection; every other weight is the artefact's; the rebuild is idempotent."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from vllm_prove.train.student import PROJECTION, WEIGHTS
+
+    base, _, _ = materialized
+    proposer = tmp_path / real.PROPOSER_NAME
+    out = tmp_path / real.DRAFTER_NAME
+    manifest = real.materialize_drafter(out=out, proposer=proposer, base=base, log=lambda line: None)
+    logs = []
+    assert real.materialize_drafter(out=out, proposer=proposer, base=base, log=logs.append) == manifest
+    assert "up to date" in logs[-1]
+    drafter = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(proposer, dtype=torch.float32)
+    assert drafter.config.vocab_size == target.config.vocab_size == 49153  # one vocabulary, vLLM's draft models need it
+    assert drafter.config.mask_token_id == target.config.mask_token_id == 49152
+    assert drafter.config.diffusion_drafter["kind"] == "block"
+    p = load_file(out / PROJECTION)["projection"]
+    embed = target.get_input_embeddings().weight.detach() @ p
+    assert torch.equal(drafter.get_input_embeddings().weight.detach(), embed)
+    shipped = load_file(real.DRAFTER_ARTEFACT / WEIGHTS)
+    state = drafter.state_dict()
+    assert shipped and all(torch.equal(state[k], v.float()) for k, v in shipped.items())
+    assert manifest["num_parameters"] == sum(t.numel() for t in drafter.parameters())

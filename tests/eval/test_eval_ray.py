@@ -1,7 +1,8 @@
-"""`vllm-prove eval` end to end on real vLLM engines: a Ray Data actor pool of one and two engine
-actors per method, and the in-process path resuming a Ray run's output folder.
+"""`vllm-prove eval` end to end on real vLLM engines: a Ray Data actor pool of two engine actors
+per method, and the in-process path resuming the Ray run's output folder (the same report from
+one local engine as from the pool).
 
-One local Ray cluster for the module; 7 engine starts in all (~4 min on 2 cores)."""
+One local Ray cluster for the module; 5 engine starts in all."""
 
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ def _records(out, label, task):
 
 
 @pytest.fixture(scope="module")
-def one_replica(ray_cluster, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval-one")
-    return out, runner.run_eval(_config(out, replicas=1))
+def two_replicas(ray_cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval-two")
+    return out, runner.run_eval(_config(out, replicas=2))
 
 
-def test_ray_report_lossless_is_ar_exactly_with_speed_for_both(one_replica):
-    out, report = one_replica
+def test_ray_report_lossless_is_ar_exactly_with_speed_for_both(two_replicas):
+    out, report = two_replicas
     for name in ("report.json", "report.md", "run.json", "frontier.png", "committed_histogram.png",
                  "position_acceptance.png"):
         assert (out / name).exists(), name
@@ -60,7 +61,7 @@ def test_ray_report_lossless_is_ar_exactly_with_speed_for_both(one_replica):
         assert all(r["token_ids"] for r in ar)
         for label in ("ar", "prove-lossless"):
             entry = report[task][label]
-            assert entry["engines"] == 1 and entry["items"] == LIMIT
+            assert entry["engines"] in (1, 2) and entry["items"] == LIMIT  # (a task's two shards may share an actor)
             assert entry["tokens_per_s"] > 0 and entry["seconds"] > 0
             assert entry["num_tokens"] == sum(len(r["token_ids"]) for r in ar)
         assert report[task]["ar"]["committed_per_cycle"] == 1.0
@@ -74,24 +75,15 @@ def test_ray_report_lossless_is_ar_exactly_with_speed_for_both(one_replica):
     acceptance = heldout["prove-lossless"]["acceptance_per_position"]
     assert len(acceptance) == 8 and all(1 >= a >= b >= 0 for a, b in zip(acceptance, acceptance[1:]))
     assert sum(heldout["prove-lossless"]["committed_histogram"].values()) == pytest.approx(1.0, abs=1e-3)
-
-
-def test_two_replicas_give_the_same_report(one_replica, tmp_path):
-    _, report_one = one_replica
-    report_two = runner.run_eval(_config(tmp_path, replicas=2))
-    for task in TASKS:
-        for label in ("ar", "prove-lossless"):
-            one, two = report_one[task][label], report_two[task][label]
-            assert {k: one.get(k) for k in QUALITY} == {k: two.get(k) for k in QUALITY}, (task, label)
-            assert two["tokens_per_s"] > 0
     for label in ("ar", "prove-lossless"):  # both engine actors of a method took work
-        assert len({r["engine"] for t in TASKS for r in _records(tmp_path, label, t)}) == 2, label
+        assert len({r["engine"] for t in TASKS for r in _records(out, label, t)}) == 2, label
 
 
-def test_resume_in_process_regenerates_only_the_missing_shard(one_replica):
+def test_resume_in_process_regenerates_only_the_missing_shard(two_replicas):
     """The in-process path on the Ray run's folder: every finished shard is skipped, the one
-    deleted shard comes back with the same tokens (same code, same engine settings)."""
-    out, report = one_replica
+    deleted shard comes back with the same tokens (same code, same engine settings), and the
+    report is the pool's."""
+    out, report = two_replicas
     missing = out / "shards" / "ar" / "heldout" / "0001.jsonl"
     before = missing.read_text()
     stamps = {p: p.stat().st_mtime_ns for p in (out / "shards").rglob("*.jsonl") if p != missing}

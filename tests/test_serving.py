@@ -14,8 +14,8 @@ from vllm_prove.paths import zoo_path
 
 
 def test_lossless_replicas_carry_the_plugin_mode_and_cpu_bundles():
-    config = serving.llm_config(DecodeConfig(method="prove-lossless", block_size=6), replicas=2, max_num_seqs=16,
-                                accelerator="cpu")
+    engine = serving.replica_engine(DecodeConfig(method="prove-lossless", block_size=6), max_num_seqs=16)
+    config = serving.llm_config(engine, replicas=2, accelerator="cpu")
     kwargs = config.engine_kwargs
     assert kwargs["additional_config"] == {"prove": {"mode": "lossless", "block_size": 6, "adaptive": True}}
     assert kwargs["max_num_seqs"] == 16 and kwargs["dtype"] == "float32" and "model" not in kwargs
@@ -23,21 +23,23 @@ def test_lossless_replicas_carry_the_plugin_mode_and_cpu_bundles():
     assert config.model_loading_config.model_id == "proposer"
     assert config.deployment_config["num_replicas"] == 2
     assert config.deployment_config["ray_actor_options"] == {"num_cpus": 0}
-    assert config.placement_group_config["bundle_per_worker"] == {"CPU": 1.0}
+    assert config.placement_group_config == {"bundle_per_worker": {"CPU": 1.0}, "strategy": "STRICT_PACK"}
     assert config.accelerator_config.kind == "cpu"
     assert config.runtime_env["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
 
 
 def test_autoscaling_bounds_and_gpu_bundles():
-    config = serving.llm_config(DecodeConfig(method="sd", k=3), min_replicas=1, max_replicas=4, replicas=2,
-                                accelerator="gpu", tensor_parallel_size=2)
-    assert config.deployment_config == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
-                                                               "initial_replicas": 2}}
-    assert config.placement_group_config["bundle_per_worker"] == {"CPU": 1.0, "GPU": 1}
+    engine = serving.replica_engine(DecodeConfig(method="sd", k=3), max_num_seqs=8, tensor_parallel_size=2)
+    config = serving.llm_config(engine, min_replicas=0, max_replicas=4, replicas=2, accelerator="gpu")
+    # a replica is added when each holds more requests than its engine's batch
+    assert config.deployment_config == {"autoscaling_config": {"min_replicas": 0, "max_replicas": 4,
+                                                               "initial_replicas": 2, "target_ongoing_requests": 8}}
+    assert config.placement_group_config == {"bundle_per_worker": {"CPU": 1.0, "GPU": 1}}
     assert config.engine_kwargs["tensor_parallel_size"] == 2
     assert config.engine_kwargs["speculative_config"]["num_speculative_tokens"] == 3
     with pytest.raises(ProveError, match="min_replicas <= max_replicas"):
-        serving.llm_config(DecodeConfig(method="ar"), min_replicas=3, max_replicas=2, accelerator="cpu")
+        serving.llm_config(serving.replica_engine(DecodeConfig(method="ar")), min_replicas=3, max_replicas=2,
+                           accelerator="cpu")
 
 
 @pytest.mark.parametrize("prove, field", [({"mode": "lossless", "block_size": 1}, "block_size"),
@@ -59,5 +61,7 @@ def test_a_bad_setting_fails_before_deploying_naming_the_field(prove, field, cap
 
 def test_a_vllm_setting_the_plugin_refuses_fails_before_deploying():
     with pytest.raises(ProveError, match="async_scheduling"):
-        serving.llm_config(DecodeConfig(method="prove"), accelerator="cpu",
-                           engine_overrides={"async_scheduling": True})
+        serving.replica_engine(DecodeConfig(method="prove"), engine_overrides={"async_scheduling": True})
+    # the OpenAI front end's flags (Ray Serve LLM takes them in engine_kwargs too) are the replicas' to check
+    engine = serving.replica_engine(DecodeConfig(method="ar"), engine_overrides={"chat_template": "{{ messages }}"})
+    assert engine["chat_template"] == "{{ messages }}"

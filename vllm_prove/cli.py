@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -353,7 +352,7 @@ def _add_serve_ray_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests in flight per replica")
     p.add_argument("--max-model-len", type=int, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="workers per replica")
-    p.add_argument("--accelerator", choices=["cpu", "gpu"], help="default: gpu where CUDA is visible, else cpu")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], help="default: gpu where the cluster has GPUs, else cpu")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="logical CPUs each worker reserves")
     p.add_argument("--engine-kwargs", type=json.loads, default={}, help="JSON: any other vLLM engine flags")
     p.add_argument("--address", help="join the Ray cluster at this address (default: start a local one)")
@@ -367,12 +366,15 @@ def cmd_serve_ray(args) -> int:
     overrides = dict(args.engine_kwargs)
     if args.max_model_len:
         overrides["max_model_len"] = args.max_model_len
-    config = serving.llm_config(_decode_config(args), model_id=args.model_id, replicas=args.replicas,
-                                min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                                accelerator=args.accelerator, cpus_per_worker=args.cpus_per_worker,
-                                engine_overrides=overrides)
-    serving.serve_forever(serving.build_app(config), address=args.address, host=args.host, port=args.port)
+    engine = serving.replica_engine(_decode_config(args), max_num_seqs=args.max_num_seqs,
+                                    tensor_parallel_size=args.tensor_parallel_size, engine_overrides=overrides)
+
+    def make_config():  # after connecting: the accelerator defaults to the cluster's
+        return serving.llm_config(engine, model_id=args.model_id, replicas=args.replicas,
+                                  min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                                  accelerator=args.accelerator, cpus_per_worker=args.cpus_per_worker)
+
+    serving.serve_forever(make_config, address=args.address, host=args.host, port=args.port)
     return 0
 
 

@@ -59,8 +59,6 @@ def cases():
 
 
 def _run_mode(mode: str, cases, zoo_models) -> GatedRun:
-    from vllm import SamplingParams
-
     from vllm_prove.reference.runner import generate as reference_generate
 
     method, threshold = MODES[mode]
@@ -87,8 +85,6 @@ def _run_mode(mode: str, cases, zoo_models) -> GatedRun:
 def _mixed_batch(llm, cases) -> dict:
     """Greedy requests (the gate) in one batch with requests the gate cannot serve: sampled
     (temperature 0.8, seeded), and greedy with logprobs (vLLM's sampler, no window)."""
-    from vllm import SamplingParams
-
     chosen = cases[:24]
     params = []
     for i, case in enumerate(chosen):

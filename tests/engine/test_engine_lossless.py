@@ -1,13 +1,15 @@
 """Lossless mode inside vLLM: token for token vLLM's plain greedy decoding, exact sampling.
 
-Five engines, one after the other. Four with the same settings (``ENGINE_KWARGS``: chunked
-prefill, prefix caching, KV pressure): vLLM without speculation (the oracle); the same model in
-lossless mode turned on through ``--speculative-config`` (the adaptive depth on, its default);
-lossless and vLLM's draft-model SD (mode ``sd``) under *random* depth schedules
-(``adaptive_policy="random"``: every step, a random draft depth and random verify depths), which
-must not change a token. A fifth lossless engine with room for 256 requests in flight draws the
-samples of the statistical test (at 16 in flight they would take a minute). Every scenario runs
-inside a module fixture while its engine is up; the tests read the recorded results.
+The oracle is vLLM without speculation under the same settings (``ENGINE_KWARGS``: chunked
+prefill, prefix caching, KV pressure): the session's one plain engine (``plain_vllm`` in
+conftest.py, read by the SDD and Ray Serve modules too). This module's engines run one after the
+other, three with the same settings: the model in lossless mode turned on through
+``--speculative-config`` (the adaptive depth on, its default); lossless and vLLM's draft-model SD
+(mode ``sd``) under *random* depth schedules (``adaptive_policy="random"``: every step, a random
+draft depth and random verify depths), which must not change a token. A fourth lossless engine
+with room for 256 requests in flight draws the samples of the statistical test (at 16 in flight
+they would take a minute). Every scenario runs inside a module fixture while its engine is up;
+the tests read the recorded results.
 """
 
 from __future__ import annotations
@@ -23,18 +25,19 @@ from engine_support import (
     PER_REQUEST_METRICS,
     VERIFIER,
     abort_mid_generation,
+    assert_equal_or_near_tie,
     assert_seeded_edge_invariant,
     build_cases,
     engine,
     engine_metric,
     exact_joint,
-    explain_greedy_divergence,
     first_divergence,
     generate,
     greedy_continuation,
     prove_engine_kwargs,
     seeded_at_the_budget_edge,
     seeded_runs,
+    seeded_subset,
     token_ids,
     top2_gap,
     total_variation,
@@ -111,23 +114,17 @@ def _sample(llm, prompt_ids: list[int]) -> list[tuple]:
     return [tuple(o.outputs[0].token_ids) for o in outputs]
 
 
-def _seeded_cases(cases):
-    """Every 4th case plus every prompt longer than the 128-token chunk budget (chunked prefill)."""
-    return [c for i, c in enumerate(cases) if i % 4 == 0 or len(c.prompt) > 400]
-
-
 @pytest.fixture(scope="module")
 def cases():
     return build_cases()
 
 
 @pytest.fixture(scope="module")
-def plain(cases) -> Run:
-    run = Run()
-    with engine() as llm:
-        _greedy_runs(llm, cases, run)
-        run.seeded = seeded_runs(llm, _seeded_cases(cases))
-    return run
+def plain(plain_vllm) -> Run:
+    """vLLM without speculation on ``cases`` (the session's one plain engine)."""
+    return Run(greedy={n: plain_vllm["greedy"]["stops", n] for n in (1, IN_FLIGHT)},
+               preemptions={n: plain_vllm["preemptions"]["stops", n] for n in (1, IN_FLIGHT)},
+               seeded=plain_vllm["seeded"])
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +143,7 @@ def lossless(cases, plain, zoo_models) -> Run:  # `plain` first: one engine at a
         # seen every verification vLLM's counters have)
         run.summary = metrics.from_engine_metrics(llm.get_metrics())
         run.adaptive = llm.collective_rpc("prove_adaptive_summary")[0]
-        run.seeded = seeded_runs(llm, _seeded_cases(cases))
+        run.seeded = seeded_runs(llm, seeded_subset(cases))
         run.edge = seeded_at_the_budget_edge(llm, cases, zoo_models.tokenizer)
     return run
 
@@ -195,23 +192,10 @@ def lossless_sampling(cases, random_depths, zoo_models) -> Run:  # after those: 
     return run
 
 
-def _assert_equal_or_near_tie(got_runs, expected, cases, proposer, tokenizer):
-    failures, ties = [], []
-    for case_index, (case, got, want) in enumerate(zip(cases, got_runs, expected)):
-        prompt_ids = tokenizer(case.prompt, add_special_tokens=False)["input_ids"]
-        divergence = explain_greedy_divergence(proposer, prompt_ids, got, want)
-        if divergence is None:
-            continue
-        (ties if divergence.near_tie else failures).append((case_index, divergence.detail))
-    if ties:
-        print(f"accepted as genuine near-ties (top-2 logit gap < 1e-4): {ties}")
-    assert not failures, f"{len(failures)} requests diverge from plain greedy decoding: {failures}"
-
-
 @pytest.mark.parametrize("in_flight", [1, IN_FLIGHT])
 def test_lossless_equals_plain_greedy_token_for_token(plain, lossless, cases, zoo_models, in_flight):
     assert len(cases) >= 50
-    _assert_equal_or_near_tie(lossless.greedy[in_flight], plain.greedy[1], cases, zoo_models.proposer,
+    assert_equal_or_near_tie(lossless.greedy[in_flight], plain.greedy[1], cases, zoo_models.proposer,
                               zoo_models.tokenizer)
 
 
@@ -223,7 +207,7 @@ def test_any_depth_schedule_keeps_the_output(plain, random_depths, cases, zoo_mo
     depths, drafts = run.adaptive["depths"], run.adaptive["draft_depths"]
     assert run.adaptive["policy"] == "random" and {int(d) for d in drafts} == set(range(6 if mode == "sd" else BLOCK_SIZE + 1))
     assert depths.get("0", 0) > 0 and len(depths) >= 4  # plain steps and several depths were served
-    _assert_equal_or_near_tie(run.greedy[in_flight], plain.greedy[1], cases, zoo_models.proposer,
+    assert_equal_or_near_tie(run.greedy[in_flight], plain.greedy[1], cases, zoo_models.proposer,
                               zoo_models.tokenizer)
 
 
@@ -321,7 +305,7 @@ def test_the_step_log_records_every_step_the_controller_observes(lossless):
 
 def test_plain_greedy_is_batch_invariant_here(plain, cases, zoo_models):
     """The oracle itself: vLLM's greedy decoding at 16 in flight equals it at 1 (fp32)."""
-    _assert_equal_or_near_tie(plain.greedy[IN_FLIGHT], plain.greedy[1], cases, zoo_models.proposer,
+    assert_equal_or_near_tie(plain.greedy[IN_FLIGHT], plain.greedy[1], cases, zoo_models.proposer,
                               zoo_models.tokenizer)
 
 
@@ -411,7 +395,7 @@ def test_seeded_sampling_survives_chunked_prefill_and_is_batch_invariant(plain, 
     preempted between drafting and verification has drawn draft noise it never uses, so its
     stream moves on (vLLM's speculative decoding, any method); the lossless server's soak test
     (test_engine_serve.py, no KV pressure) checks seeded batch invariance there."""
-    seeded = _seeded_cases(cases)
+    seeded = seeded_subset(cases)
     budget = ENGINE_KWARGS["max_num_batched_tokens"]
     assert any(len(zoo_models.tokenizer(c.prompt)["input_ids"]) > budget for c in seeded)  # chunked prefill
     for run in (plain, lossless):

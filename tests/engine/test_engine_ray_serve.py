@@ -1,11 +1,12 @@
 """ProVe-lossless replicas on Ray Serve LLM, as a user runs them: `ray start --head`, then
-`vllm-prove serve-ray --replicas 2 --address ...` joining that cluster, the real `openai` client
+`vllm-prove serve-ray --replicas 2 --address auto` joining that cluster, the real `openai` client
 against it, the replicas' Prometheus metrics from Ray's metrics endpoint, then SIGTERM and
 `ray stop` leaving no process behind."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -17,15 +18,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from engine_support import PROPOSER, heldout_prompts
-
-from vllm_prove.engine.generate import engine
+from engine_support import ENGINE_KWARGS, IN_FLIGHT, assert_equal_or_near_tie, build_cases
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-NUM_REQUESTS = 64
-MAX_TOKENS = 32
-MAX_MODEL_LEN = 512
+NUM_REQUESTS = len(build_cases())  # 73, all sent at once
 STARTUP_TIMEOUT_S = 420  # two engines starting side by side on two cores
 MODEL_ID = "zoo-proposer"
 
@@ -59,33 +56,33 @@ def _metric(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def ar_tokens():
-    """vLLM's plain greedy tokens of the requests (16 in flight), before the cluster starts."""
-    from vllm import SamplingParams
-
-    prompts = heldout_prompts()[:NUM_REQUESTS]
-    with engine(dict(model=PROPOSER, dtype="float32", enforce_eager=True, seed=0, max_model_len=MAX_MODEL_LEN,
-                     max_num_seqs=16)) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    return prompts, [list(o.outputs[0].token_ids) for o in outputs]
+def cases_and_greedy(plain_vllm):
+    """The engine modules' requests (held-out prompts plus long, shared-prefix and one-token
+    ones; stop strings, stop tokens, mixed limits) and vLLM's plain greedy answers to them."""
+    return build_cases(), plain_vllm["greedy"]["stops", 1]
 
 
 @pytest.fixture(scope="module")
-def app(ar_tokens, tmp_path_factory):
+def app(cases_and_greedy, tmp_path_factory):
     """A one-node Ray cluster (`ray start --head`) and `vllm-prove serve-ray` on it, two lossless
     replicas; torn down by the last test (forcefully here if that test did not run)."""
     gcs_port, metrics_port, http_port = _free_port(), _free_port(), _free_port()
+    temp_dir = tmp_path_factory.mktemp("ray")  # (names this cluster's processes)
     head = _ray("start", "--head", f"--port={gcs_port}", "--num-cpus=2", f"--metrics-export-port={metrics_port}",
-                "--disable-usage-stats", "--include-dashboard=false")
+                "--disable-usage-stats", "--include-dashboard=false", f"--temp-dir={temp_dir}")
     assert head.returncode == 0, head.stderr[-3000:]
     log_path = tmp_path_factory.mktemp("serve-ray") / "serve-ray.log"
     log = log_path.open("w")
+    # the replicas' engines run with the oracle's settings (chunked prefill, prefix caching, KV pressure)
+    engine_flags = {k: ENGINE_KWARGS[k] for k in ("block_size", "max_num_batched_tokens", "enable_chunked_prefill",
+                                                  "enable_prefix_caching", "num_gpu_blocks_override")}
     argv = [sys.executable, "-m", "vllm_prove.cli", "serve-ray", "--method", "prove-lossless", "--replicas", "2",
-            "--address", f"127.0.0.1:{gcs_port}", "--port", str(http_port), "--model-id", MODEL_ID,
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16"]
+            "--address", "auto", "--port", str(http_port), "--model-id", MODEL_ID,
+            "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--max-num-seqs", str(IN_FLIGHT),
+            "--engine-kwargs", json.dumps(engine_flags)]
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     state = {"process": process, "log": log_path, "base": f"http://127.0.0.1:{http_port}/v1",
-             "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "raylet": None}
+             "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "temp_dir": str(temp_dir)}
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while "serving the OpenAI API" not in log_path.read_text():
@@ -100,29 +97,30 @@ def app(ar_tokens, tmp_path_factory):
         log.close()
 
 
-def test_two_lossless_replicas_answer_64_concurrent_requests_like_plain_greedy(app, ar_tokens):
+def test_two_lossless_replicas_answer_every_request_at_once_like_plain_greedy(app, cases_and_greedy, zoo_models):
     from openai import AsyncOpenAI
 
-    prompts, expected = ar_tokens
+    cases, expected = cases_and_greedy
     client = AsyncOpenAI(base_url=app["base"], api_key="unused", max_retries=0, timeout=300)
 
     async def ask_all():
         return await asyncio.gather(*[
-            client.completions.create(model=MODEL_ID, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0,
-                                      extra_body={"return_token_ids": True})
-            for p in prompts], return_exceptions=True)
+            client.completions.create(model=MODEL_ID, prompt=c.prompt, max_tokens=c.max_tokens, temperature=0.0,
+                                      stop=list(c.stop) or None,
+                                      extra_body={"return_token_ids": True,
+                                                  "stop_token_ids": list(c.stop_token_ids) or None})
+            for c in cases], return_exceptions=True)
 
     answers = asyncio.run(ask_all())
     errors = [a for a in answers if isinstance(a, BaseException)]
     assert not errors, errors[:3]
     got = [a.choices[0].model_extra["token_ids"] for a in answers]
-    mismatched = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-    assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ from plain greedy, first: {mismatched[:5]}"
+    assert_equal_or_near_tie(got, expected, cases, zoo_models.proposer, zoo_models.tokenizer)
 
 
 def test_both_replicas_served_and_report_spec_decode_metrics(app):
     """Ray's Prometheus endpoint, one series per replica (the ``ReplicaId`` label): both replicas
-    finished requests, all 64 together, and both ran ProVe's drafts (vLLM's spec-decode counters)."""
+    finished requests, all of them together, and both ran ProVe's drafts (vLLM's spec-decode counters)."""
     deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
     while True:
         text = urllib.request.urlopen(app["metrics"], timeout=10).read().decode()
@@ -143,7 +141,9 @@ def test_sigterm_and_ray_stop_leave_no_process(app):
     0; `ray stop` then ends the cluster, and no process of it (replicas, their vLLM engine cores,
     Ray's own) is left."""
     process = app["process"]
-    raylets = [p for p in psutil.process_iter(["name", "cmdline"]) if "raylet" in (p.info["name"] or "")]
+    raylets = [p for p in psutil.process_iter(["name", "cmdline"])
+               if "raylet" in (p.info["name"] or "") and app["temp_dir"] in " ".join(p.info["cmdline"] or [])]
+    assert len(raylets) == 1, "this cluster's raylet"
     cluster = {p.pid for p in raylets} | set().union(*(_descendants(p.pid) for p in raylets))
     engines = [pid for pid in cluster if "EngineCore" in " ".join(psutil.Process(pid).cmdline() or [""])]
     assert len(engines) == 2, "one vLLM engine core per replica"

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import pytest
 from engine_support import (
     DRAFTER,
-    ENGINE_KWARGS,
     IN_FLIGHT,
     abort_mid_generation,
     assert_seeded_edge_invariant,
@@ -71,9 +70,9 @@ def cases():
 
 
 @pytest.fixture(scope="module")
-def ar(cases):
-    with engine() as llm:
-        return {n: token_ids(generate(llm, cases, n)) for n in (IN_FLIGHT, 1)}
+def ar(plain_vllm):
+    """vLLM's plain greedy decoding of ``cases`` (the session's one plain engine)."""
+    return {n: plain_vllm["greedy"]["bare", n] for n in (IN_FLIGHT, 1)}
 
 
 @pytest.fixture(scope="module")

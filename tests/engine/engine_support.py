@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,13 @@ def engine(**kwargs):
 
     with started_engine(ENGINE_KWARGS | kwargs) as llm:
         yield llm
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a server a test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def heldout_prompts() -> list[str]:

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +17,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from engine_support import ENGINE_KWARGS, IN_FLIGHT, assert_equal_or_near_tie, build_cases
+from engine_support import ENGINE_KWARGS, IN_FLIGHT, assert_equal_or_near_tie, build_cases, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 NUM_REQUESTS = len(build_cases())  # 73, all sent at once
 STARTUP_TIMEOUT_S = 420  # two engines starting side by side on two cores
 MODEL_ID = "zoo-proposer"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ray(*args: str) -> subprocess.CompletedProcess:
@@ -65,8 +58,9 @@ def cases_and_greedy(plain_vllm):
 @pytest.fixture(scope="module")
 def app(cases_and_greedy, tmp_path_factory):
     """A one-node Ray cluster (`ray start --head`) and `vllm-prove serve-ray` on it, two lossless
-    replicas; torn down by the last test (forcefully here if that test did not run)."""
-    gcs_port, metrics_port, http_port = _free_port(), _free_port(), _free_port()
+    replicas, started after the oracle's engine has run (one engine at a time); torn down by the
+    last test (forcefully here if that test did not run)."""
+    gcs_port, metrics_port, http_port = free_port(), free_port(), free_port()
     temp_dir = tmp_path_factory.mktemp("ray")  # (names this cluster's processes)
     head = _ray("start", "--head", f"--port={gcs_port}", "--num-cpus=2", f"--metrics-export-port={metrics_port}",
                 "--disable-usage-stats", "--include-dashboard=false", f"--temp-dir={temp_dir}")

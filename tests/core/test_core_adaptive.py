@@ -218,7 +218,7 @@ MANY = [f"r{i}" for i in range(32)]
 
 def test_controller_probes_then_follows_the_load():
     ctrl = _feed(DepthController(8, PAR), LIGHT, 0.8, 300, ["a"])
-    assert ctrl.probe == [8, 0, 4, 1]
+    assert ctrl.probe == [8, 8, 4, 1, 0]
     assert ctrl.model_log_ratio(1) > 0.3  # cheap rows: the model predicts speculation far ahead ...
     plans = [ctrl.decide(["a"]) for _ in range(16)]
     assert all(p.draft_depth >= 5 for p in plans if not p.explored)  # ... and it speculates deep
@@ -235,6 +235,25 @@ def test_controller_probes_then_follows_the_load():
                          c_draft_req=0.001)
     ctrl = _feed(DepthController(8, PAR), spec_dear, 0.8, 300, MANY)
     assert ctrl.summary()["realized"]["32"]["arm"] == "plain"
+
+
+def test_the_probe_verifies_what_it_drafts_and_the_model_predicts_only_where_speculation_ran():
+    """The probe's depths fall, so each drafting step's drafts are verified by the next (a plain
+    step after the deepest one dropped them, and the fit saw one verification row in the whole
+    probe). The model's prediction stays None at a load heavier than every one where a speculative
+    step ran: after a warm-up at one request in flight, 16 in flight would be an extrapolation."""
+    seen = []
+    ctrl = DepthController(8, PAR)
+    observe = ctrl.observe_step
+    ctrl.observe_step = lambda shape, *a, **k: (seen.append(shape), observe(shape, *a, **k))[1]
+    _feed(ctrl, LIGHT, 1.0, 40, ["a"])
+    verified = [shape.rows - shape.requests for shape in seen[: len(ctrl.probe)]]
+    assert verified == [0, 8, 4, 1, 0]  # (accept 1.0: every draft verified is held)
+    assert ctrl.model_log_ratio(1) is not None and ctrl.model_log_ratio(2) is None
+    assert ctrl.model_log_ratio(16) is None and ctrl.guard.state(16).prior is None
+    shape = StepShape.of(16, 16 * 4, 4, PAR, spec_requests=16)  # one speculative step at 16 in flight
+    ctrl.observe_step(shape, LIGHT(shape), 16 * 5, 16)
+    assert ctrl.model_log_ratio(16) is not None and ctrl.model_log_ratio(9) is not None
 
 
 def test_policies_speculate_plain_and_random():

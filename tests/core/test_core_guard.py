@@ -85,6 +85,23 @@ def test_exploration_gives_up_a_bounded_share_of_throughput_both_ways():
         assert loss <= EXPLORE_BUDGET + first, loss
 
 
+def test_readings_wait_for_the_budget_where_the_model_expects_little_at_stake():
+    """Where the model cannot predict, or predicts a lead inside its own error, a bucket's first
+    exploration waits until its throughput can carry the exploration's two switches within
+    EXPLORE_BUDGET (an explored block of speculation at 16 in flight scatters the finishing
+    steps of requests that would finish together); where it predicts much at stake, the first
+    pairs run at once."""
+    for prior in (None, 0.1, -0.1):
+        guard = SpeculationGuard(prior=lambda load, p=prior: p)
+        arms, _ = drive(guard, 100, 100, 600, load=16, sigma=0.05)
+        first = int(np.argmax(arms)) if arms.any() else len(arms)
+        assert first >= 2 / EXPLORE_BUDGET, (prior, first)  # (two switch steps at 1%: 200 steps)
+        assert guard.state(16).in_force is False
+    guard = SpeculationGuard(prior=lambda load: 0.3)  # (1.35x: at stake, inside the interval)
+    arms, _ = drive(guard, 100, 100, 600, load=16, sigma=0.05)
+    assert 0 < int(np.argmax(arms)) <= 3 * BLOCK_STEPS and guard.state(16).pairs.blocks >= FREE_PAIRS
+
+
 def test_a_model_prior_survives_a_slow_warm_up_but_not_a_consistent_loss():
     """The model predicts speculation 1.6x plain decoding. A warm-up in which speculation reads
     0.8x of plain does not turn the load plain; a speculation that stays at 0.7x does, soon."""
@@ -221,8 +238,12 @@ def test_a_bucket_met_before_the_model_can_tell_takes_the_models_arm_when_it_can
     entry = weak.summary()["1"]
     assert entry["started"] == "plain" and entry["arm"] == "speculative" and entry["switches"] == 1
     assert arms[-300:].mean() > 0.9
-    # a placeholder is replaced only while no reading is against it: a bucket whose model speaks
-    # after its first pairs keeps what the readings and the prior say together
+    # a bucket the model cannot tell runs no exploration until the budget pays for one (its first
+    # pairs are free only where the model expects much at stake), so a model that speaks late
+    # still finds the placeholder unread and replaces it; readings that contradict it (speculation
+    # at 0.6x) then overturn it within its first pairs
     late = SpeculationGuard(prior=prior_after(8, 0.5))
-    drive(late, 100, 60, 300, sigma=0.05)
-    assert late.summary()["1"]["started"] == "plain" and not late.state(1).in_force
+    arms, _ = drive(late, 100, 60, 300, sigma=0.05)
+    entry = late.summary()["1"]
+    assert entry["started"] == "speculative" and entry["switches"] == 1 and not late.state(1).in_force
+    assert arms[-100:].mean() < 0.2

@@ -7,7 +7,10 @@ The bounds are what the design holds on every seed of the fixed set; docs/BENCHM
 ("Speculation guard in the trace replay") gives the full table, beside the guard it replaced.
 Where a load's two arms are within the noise of a few dozen pairs (lossless at 8-16 in flight in
 this replay, speculation 5-10% ahead), the guard keeps the arm it has until the readings
-separate, and the replay measures what that costs."""
+separate, and the replay measures what that costs. A load heavier than any where speculation has
+run waits for its first budgeted exploration before the model can speak there (the mixed
+scenario's phases at 16 and 32 after one request in flight), so load changes have their own,
+lower bound."""
 
 from __future__ import annotations
 
@@ -18,14 +21,17 @@ from vllm_prove.core.adaptive import DepthController
 
 pytestmark = pytest.mark.slow
 
-# no load's adaptive throughput below these shares of the best fixed arm's / plain decoding's
-WORST_VS_BEST = 0.83
-WORST_VS_PLAIN = 0.93
+# no steady load's adaptive throughput below these shares of the best fixed arm's / plain decoding's
+WORST_VS_BEST = 0.85
+WORST_VS_PLAIN = 0.95
+# and the mixed scenario's (its heavier phases start plain until their first budgeted exploration)
+MIXED_VS_BEST = 0.78
+MIXED_VS_PLAIN = 0.90
 # and at the loads where the model alone puts speculation ahead beyond its interval (1.5x; the
 # bucket starts speculating there), within this of the best fixed arm. Elsewhere (lossless at 8-16,
 # sd at 16-32: speculation 5-15% ahead) a bucket starts plain and its readings must separate first.
 CLEAR_LOADS = {"lossless": ("1", "2", "4"), "sd": ("1", "2", "4", "8")}
-CLEAR_VS_BEST = 0.95
+CLEAR_VS_BEST = 0.93
 
 
 @pytest.fixture(scope="module", params=["lossless", "sd"])
@@ -42,10 +48,10 @@ def grid(request) -> tuple[str, dict]:
 
 def test_never_far_below_the_best_fixed_arm_nor_plain_decoding(grid):
     mode, rows = grid
-    low = {key: round(row["vs_best"], 3) for key, row in rows.items() if row["vs_best"] < WORST_VS_BEST}
-    assert not low, f"{mode}: adaptive / best fixed arm below {WORST_VS_BEST}: {low}"
-    low = {key: round(row["vs_plain"], 3) for key, row in rows.items() if row["vs_plain"] < WORST_VS_PLAIN}
-    assert not low, f"{mode}: adaptive / plain decoding below {WORST_VS_PLAIN}: {low}"
+    for key, row in rows.items():
+        vs_best, vs_plain = (MIXED_VS_BEST, MIXED_VS_PLAIN) if key[0] == "mixed" else (WORST_VS_BEST, WORST_VS_PLAIN)
+        assert row["vs_best"] >= vs_best, f"{mode} {key}: adaptive / best fixed arm {row['vs_best']:.3f} < {vs_best}"
+        assert row["vs_plain"] >= vs_plain, f"{mode} {key}: adaptive / plain decoding {row['vs_plain']:.3f} < {vs_plain}"
 
 
 def test_close_to_the_best_fixed_arm_where_one_arm_leads_clearly(grid):

@@ -22,7 +22,7 @@ from vllm_prove.paths import zoo_path
 from vllm_prove.reference.runner import RequestResult
 from vllm_prove.errors import ProveError
 
-WARMUP_TOKENS = 8  # one untimed request before a timed run
+WARMUP_TOKENS = 64  # one untimed request before a timed run (long enough for the adaptive depth's start-up probe)
 # vLLM's CPU backend refuses to start without a KV-cache budget (GiB); GPUs size it themselves.
 DEFAULT_CPU_KVCACHE_GIB = "1"
 

@@ -59,10 +59,13 @@ class DepthController:
             raise ValueError(f"allowed depths {self.choices} exceed max_depth {max_depth}")
         self._allowed_row = np.zeros(max_depth + 1, dtype=bool)
         self._allowed_row[self.choices] = True
-        # the probe: deepest, none, half, one (enough shapes to tell the cost terms apart; each
-        # speculative step at a high load costs several plain ones, so no more)
+        # the probe: deepest twice, half, one, none (enough shapes to tell the cost terms apart; each
+        # speculative step at a high load costs several plain ones, so no more). A step verifies at
+        # most the drafts the step before it drafted, so the depths fall: every drafting step's
+        # drafts are verified by the next, and the fit sees verification rows of each depth
         full = self.choices[-1]
-        self.probe = list(dict.fromkeys([full, 0, *(d for d in self.choices if d >= full // 2)][:3] + [self.choices[1]]))
+        half = next(d for d in self.choices if d >= max(1, full // 2))
+        self.probe = [full, full, *dict.fromkeys(d for d in (half, self.choices[1]) if d != full), 0]
         if policy != "measured":
             self.probe = []  # (the probe serves the guard's first decisions)
         self.explore_every, self.refit_every = explore_every, refit_every
@@ -80,6 +83,7 @@ class DepthController:
         self._decoding_load = 0  # the load of the last decision with decoding requests
         self._rng = random.Random(seed)
         self._estimates: tuple[int, dict] | None = None  # (steps, estimates) of step_summary
+        self._spec_bucket = -1  # the guard's heaviest bucket where a speculative step has run (probe included)
 
     # -- deciding -------------------------------------------------------------------------------
     def decide(self, request_ids: list, pinned=frozenset(), load: int | None = None) -> Decision:
@@ -199,10 +203,13 @@ class DepthController:
     def model_log_ratio(self, load: int) -> float | None:
         """The cost model's predicted ``log(rate_speculate / rate_plain)`` at ``load`` requests with
         the population's acceptance, each arm's tokens per request-second charged its admission
-        price as the guard measures it (``SpeculationGuard.prompt_price``): the guard's prior
-        (None before the fit has seen as many steps as it has terms: fitted to the probe alone,
-        any split of the time between the terms fits)."""
-        if self.last_cost is None or load < 1 or self.costs.count < len(COST_TERMS):
+        price as the guard measures it (``SpeculationGuard.prompt_price``): the guard's prior.
+        None before the fit has seen as many steps as it has terms (fitted to the probe alone, any
+        split of the time between the terms fits), and at a load heavier than every bucket where a
+        speculative step has run: there the fit extrapolates the drafter's and the verifier's rows
+        from lighter steps, which is no evidence (docs/METHODS.md §9, "The model as a prior")."""
+        if self.last_cost is None or load < 1 or self.costs.count < len(COST_TERMS) \
+                or self.guard.bucket(load) > self._spec_bucket:
             return None
         rates = np.broadcast_to(self.tracker.population_array(), (load, self.tracker.max_depth))
         speculate = self._plan(rates).rate / load  # (tokens per request-second)
@@ -221,6 +228,8 @@ class DepthController:
         an engine that observes a step once the next one is decided. The start-up probe's steps
         feed only the fit."""
         self.costs.update(shape, seconds)
+        if shape.spec_requests or shape.draft_depth:
+            self._spec_bucket = max(self._spec_bucket, self.guard.bucket(load or shape.requests))
         if committed is None and not shape.prefill_rows:
             return
         decided = self.steps - 1 if step is None else step

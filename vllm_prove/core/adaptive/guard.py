@@ -18,13 +18,16 @@ The arm in force changes only when the posterior interval ``d +- CONFIDENCE_Z * 
 (the noise sets the hysteresis). The other arm is *explored* (one block) while the data alone do
 not put the arm in force ahead, within one budget for both directions: exploration gives up at most
 ``EXPLORE_BUDGET`` of the bucket's throughput, an explored block charged its two switches (about a
-step each) and its time times the explored arm's shortfall as the posterior has it (an arm
-expected to be the faster one earns its gain back). A bucket's first ``FREE_PAIRS`` pairs run
-whatever the budget (one reading has no scatter, and a model fitted on a few warm-up steps may be
-far off); an arm's first run at a bucket lets a whole block of its new step shapes settle first.
-A bucket starts with speculation only where the model alone puts it ahead beyond the interval
-(``prior > CONFIDENCE_Z * MODEL_SPREAD``); elsewhere, and before the model can predict, it starts
-with plain decoding, the arm the guard answers to, and the readings decide.
+step each, charged up front: a bucket's first exploration waits until its throughput can carry
+one) and its time times the explored arm's shortfall as the posterior has it (an arm expected to
+be the faster one earns its gain back). Where the model expects a lead of at least its own error
+either way (``|prior| >= MODEL_SPREAD``), a bucket's first ``FREE_PAIRS`` pairs run whatever the
+budget (one reading has no scatter, and a model fitted on a few warm-up steps may be far off);
+where it expects less, or cannot predict, readings wait for the budget. An arm's first run at a
+bucket lets a whole block of its new step shapes settle first. A bucket starts with speculation
+only where the model alone puts it ahead beyond the interval (``prior > CONFIDENCE_Z *
+MODEL_SPREAD``); elsewhere, and before the model can predict, it starts with plain decoding, the
+arm the guard answers to, and the readings decide.
 
 Admitting prompts is priced per arm and per prompt: what an arm's steps with prompt rows took
 beyond its steps without, times their requests, per prompt they admitted, spread over the tokens a
@@ -46,7 +49,7 @@ EXPLORE_BUDGET = 0.01  # at most this share of a bucket's throughput goes to exp
 MODEL_SPREAD = 0.2  # the cost model's error on the log rate ratio (and a pair's noise before any is measured)
 
 SETTLE_STEPS = BLOCK_STEPS // 4  # a run's first steps after a switch are not counted (caches, new shapes)
-FREE_PAIRS = 2  # a bucket's first pairs run whatever the budget (one reading has no scatter)
+FREE_PAIRS = 2  # a bucket's first pairs where the model expects much at stake (one reading has no scatter)
 OWN_PRICE_STEPS = BLOCK_STEPS  # an arm's steps with prompt rows before its own admission price replaces the fit's
 
 
@@ -235,7 +238,7 @@ class SpeculationGuard:
         if state.running != state.in_force:  # an explored block: its pair completes with the next block
             state.explored += 1
             # (an arm expected to be the better one earns back what it gains: its readings are cheap)
-            if state.pairs.blocks >= FREE_PAIRS:
+            if not self._free(state):
                 state.explore_cost = max(0.0, state.explore_cost + state.block_seconds * self._expected_shortfall(state))
             state.pending = (state.running, value, state.before)
         else:
@@ -261,6 +264,13 @@ class SpeculationGuard:
         self._run(state, self._next_arm(state))
 
     @staticmethod
+    def _free(state: BucketState) -> bool:
+        """Whether the bucket's next exploration is one of its first ``FREE_PAIRS``, run whatever the
+        budget: only where the model expects a lead of at least its own error, either way."""
+        return state.pairs.blocks + (state.pending is not None) < FREE_PAIRS and state.prior is not None \
+            and abs(state.prior) >= MODEL_SPREAD
+
+    @staticmethod
     def _model_leads(prior: float | None) -> bool:
         """Whether the model alone puts speculation ahead beyond the interval (a bucket's first arm)."""
         return prior is not None and prior > CONFIDENCE_Z * MODEL_SPREAD
@@ -281,16 +291,18 @@ class SpeculationGuard:
         other = not state.in_force
         if state.running == other:
             return state.in_force  # an exploration is one block, between two of the arm in force
-        if state.pairs.blocks + (state.pending is not None) < FREE_PAIRS:
-            return other  # a bucket's first readings, whatever the budget
-        if not self._data_confirm(state) and state.explore_cost <= EXPLORE_BUDGET * state.seconds:
+        if self._free(state):
+            return other  # a bucket's first readings where the model expects much at stake
+        # (its way in and out is charged up front: a first exploration waits until the bucket can carry one)
+        if not self._data_confirm(state) and \
+                state.explore_cost + 2 * state.step_seconds <= EXPLORE_BUDGET * state.seconds:
             return other
         return state.in_force
 
     def _run(self, state: BucketState, arm: bool) -> None:
         if arm != state.running:
             first = state.arms[arm].blocks == 0
-            if arm != state.in_force and state.pairs.blocks >= FREE_PAIRS:
+            if arm != state.in_force and not self._free(state):
                 state.explore_cost += 2 * state.step_seconds  # its way in and out: about a step each
             # an arm's first run at a bucket meets new step shapes: a whole block settles
             state.running, state.settle = arm, BLOCK_STEPS if first else SETTLE_STEPS

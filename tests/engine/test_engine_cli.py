@@ -57,10 +57,16 @@ def test_generate_vllm_contract_and_lossless_equals_ar(prompt_file, tmp_path, ar
         assert summary["method"] == method and summary["engine"] == "vllm" and summary["batch_size"] == 4
         assert summary["num_tokens"] == sum(r["num_tokens"] for r in ar_rows)
     assert ar["committed_per_cycle"] == 1.0 and ar["cycles"] == ar["num_tokens"]
-    assert ll["committed_per_cycle"] > 1.0 and ll["cycles"] < ar["cycles"]
-    # vLLM's own counters agree: each lossless step verified one block per request
-    assert ll["spec_decode"]["num_drafts"] > 0 and ll["spec_decode"]["committed_per_cycle"] > 1.0
-    assert ll["adaptive"] is True and ll["adaptive_depth"]["steps"] > 0  # the default: adaptive depth
+    # the default: adaptive depth. Its warm-up request ran the start-up probe at one request in
+    # flight; 4 in flight is heavier than any load it has speculated at, so the cost model does not
+    # predict there (an extrapolation) and the bucket decodes plainly until its budget pays for a
+    # first exploration, which a 60-step run never reaches (docs/METHODS.md §9). The lossless path
+    # speculating through this CLI: tests/engine/test_engine_real.py (--fixed-depth)
+    depth = ll["adaptive_depth"]
+    assert ll["adaptive"] is True and depth["steps"] > 0
+    four = depth["realized"]["4"]
+    assert four["started"] == four["arm"] == "plain" and four["explored_blocks"] == 0, four
+    assert "model_ratio" not in four and depth["plain_share"] == 1.0 and "spec_decode" not in ll
 
 
 def test_generate_vllm_runs_the_sdd_methods(prompt_file, tmp_path, ar_run):

@@ -271,6 +271,11 @@ class SpeculationGuard:
             and abs(state.prior) >= MODEL_SPREAD
 
     @staticmethod
+    def _switches(state: BucketState) -> float:
+        """What an exploration's way in and out costs: about a step each."""
+        return 2 * state.step_seconds
+
+    @staticmethod
     def _model_leads(prior: float | None) -> bool:
         """Whether the model alone puts speculation ahead beyond the interval (a bucket's first arm)."""
         return prior is not None and prior > CONFIDENCE_Z * MODEL_SPREAD
@@ -295,7 +300,7 @@ class SpeculationGuard:
             return other  # a bucket's first readings where the model expects much at stake
         # (its way in and out is charged up front: a first exploration waits until the bucket can carry one)
         if not self._data_confirm(state) and \
-                state.explore_cost + 2 * state.step_seconds <= EXPLORE_BUDGET * state.seconds:
+                state.explore_cost + self._switches(state) <= EXPLORE_BUDGET * state.seconds:
             return other
         return state.in_force
 
@@ -303,7 +308,7 @@ class SpeculationGuard:
         if arm != state.running:
             first = state.arms[arm].blocks == 0
             if arm != state.in_force and not self._free(state):
-                state.explore_cost += 2 * state.step_seconds  # its way in and out: about a step each
+                state.explore_cost += self._switches(state)
             # an arm's first run at a bucket meets new step shapes: a whole block settles
             state.running, state.settle = arm, BLOCK_STEPS if first else SETTLE_STEPS
 

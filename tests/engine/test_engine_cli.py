@@ -97,28 +97,23 @@ def test_generate_vllm_rejects_reference_only_flag(prompt_file, tmp_path, capsys
 
 
 def test_engine_bench_rows_memory_and_plot(tmp_path):
+    """The default bench: one engine at a time, each doing its repeats back to back (the adaptive
+    row: the interleaved test below)."""
     runs = [r for r in engine_bench.ENGINE_RUNS if r.label in ("ar", "parallel-draft", "prove theta=0.1",
-                                                                "prove-lossless", "prove-lossless adaptive", "sdd")]
-    lines = []
+                                                                "prove-lossless", "sdd")]
     report = engine_bench.run_engine_bench(heldout_prompts()[:6], max_tokens=16, in_flight=(1, 4), runs=runs,
-                                           repeats=2, out_dir=tmp_path, log=lines.append)
+                                           repeats=2, out_dir=tmp_path, log=lambda line: None)
     rows = {(r["label"], r["in_flight"]): r for r in report["rows"]}
     assert set(rows) == {(r.label, n) for r in runs for n in (1, 4)}
     for n in (1, 4):
-        adaptive = rows["prove-lossless adaptive", n]
-        assert adaptive["same_as_ar"] == 1.0 and adaptive["adaptive"] is True and rows["prove-lossless", n]["adaptive"] is False
-        depth = adaptive["adaptive_depth"]  # this run's decisions only (not the engine's earlier ones)
-        assert depth["policy"] == "measured" and 0 < depth["steps"] <= adaptive["passes"]["engine_steps"]
-        assert 0.0 <= depth["mean_depth"] <= 8 and set(depth["cost"]) == set(COST_TERMS)
         sdd = rows["sdd", n]  # strict SDD: greedy AR, its own counters, no cost-model ideal
         assert sdd["same_as_ar"] == 1.0 and sdd["verifier_calls"] > 0 and sdd["ideal_speedup"] is None
-        assert "adaptive_depth" not in rows["prove-lossless", n]
+        assert rows["prove-lossless", n]["adaptive"] is False and "adaptive_depth" not in rows["prove-lossless", n]
         # two repeats: the median of the per-repeat ratios, inside their spread
         for row in rows.values():
             assert row["repeats"] == 2 and len(row["tokens_per_s_repeats"]) == 2
-        lo, hi = adaptive["ratio_spread"]
-        assert lo <= adaptive["ratio_to_ar"] <= hi
-    assert any(line.startswith("prove-lossless adaptive") and "%" in line for line in lines)  # K=0 column
+            lo, hi = row["ratio_spread"]
+            assert lo <= row["ratio_to_ar"] <= hi
     for n in (1, 4):
         ar, lossless = rows["ar", n], rows["prove-lossless", n]
         verifier, parallel = rows["prove theta=0.1", n], rows["parallel-draft", n]
@@ -157,15 +152,21 @@ def test_interleaved_bench_takes_turns_with_every_engine_up(tmp_path, monkeypatc
         drive_once(eng, prompts, params, n)
 
     monkeypatch.setattr(engine_bench, "_drive_once", spy)
-    report = engine_bench.run_engine_bench(heldout_prompts()[:4], max_tokens=8, in_flight=(1, 2), runs=runs,
-                                           repeats=2, interleave=True, out_dir=tmp_path, log=lambda line: None)
+    lines = []
+    report = engine_bench.run_engine_bench(heldout_prompts()[:6], max_tokens=16, in_flight=(1, 4), runs=runs,
+                                           repeats=2, interleave=True, out_dir=tmp_path, log=lines.append)
     ar, lossless, control = "ar", "prove-lossless adaptive", "ar control"
     order = [r.label for r in runs]
     assert order == [ar, lossless, control]  # (AR first: the ratios need its runs)
-    assert turns == [(label, n) for n in (1, 2) for label in order + order[1:] + order[:1]]
+    assert turns == [(label, n) for n in (1, 4) for label in order + order[1:] + order[:1]]
     rows = {(r["label"], r["in_flight"]): r for r in report["rows"]}
-    assert report["interleave"] is True and set(rows) == {(label, n) for label in order for n in (1, 2)}
-    for n in (1, 2):
+    assert report["interleave"] is True and set(rows) == {(label, n) for label in order for n in (1, 4)}
+    for n in (1, 4):
+        adaptive = rows[lossless, n]
+        assert adaptive["adaptive"] is True
+        depth = adaptive["adaptive_depth"]  # this run's decisions only (not the engine's earlier ones)
+        assert depth["policy"] == "measured" and 0 < depth["steps"] <= adaptive["passes"]["engine_steps"]
+        assert 0.0 <= depth["mean_depth"] <= 8 and set(depth["cost"]) == set(COST_TERMS)
         for label in (lossless, control):
             row = rows[label, n]
             assert row["same_as_ar"] == 1.0 and len(row["tokens_per_s_repeats"]) == 2
@@ -174,5 +175,6 @@ def test_interleaved_bench_takes_turns_with_every_engine_up(tmp_path, monkeypatc
         # the control's ratios are its own runs against AR's, repeat by repeat
         ratios = sorted(c / a for c, a in zip(rows[control, n]["tokens_per_s_repeats"], rows[ar, n]["tokens_per_s_repeats"]))
         assert rows[control, n]["ratio_spread"] == pytest.approx(ratios[::len(ratios) - 1], abs=2e-3)
+    assert any(line.startswith(lossless) and "%" in line for line in lines)  # the K=0 (plain steps) column
     # each row's memory is its own engine's, not the sum of the engines that were up together
     assert 0 < rows[ar, 1]["peak_rss_mb"] < min(memory[1:])

@@ -53,11 +53,12 @@ ARCH = {  # Qwen2 shapes; head_dim 64 is one the CPU and CUDA attention backends
                      num_attention_heads=2, num_key_value_heads=1, head_dim=64),
 }
 
-SCALES = {  # optimizer steps per stage and self-distillation sizes; `smoke` runs the whole recipe in ~1 minute
+SCALES = {  # optimizer steps per stage, self-distillation sizes and held-out windows measured; `smoke`
+    # runs the whole recipe in about a minute
     "full": dict(verifier_ar=500, proposer_ar=400, distill_rounds=2, distill_steps=400, distill_contexts=8192,
-                 verifier_ft=300, verifier_contexts=4096, agreement_contexts=64, drafter=800),
+                 verifier_ft=300, verifier_contexts=4096, agreement_contexts=64, drafter=800, heldout_windows=128),
     "smoke": dict(verifier_ar=4, proposer_ar=4, distill_rounds=2, distill_steps=3, distill_contexts=16,
-                  verifier_ft=3, verifier_contexts=16, agreement_contexts=4, drafter=3),
+                  verifier_ft=3, verifier_contexts=16, agreement_contexts=4, drafter=3, heldout_windows=8),
 }
 DISTILL_NEW_TOKENS = 64
 DRAFTER_GAMMAS = (8, 16, 32)  # the drafter trains on all three: the SDD sweeps vary gamma
@@ -84,10 +85,9 @@ def open_zoo(out_dir: Path):
     return tok, lambda role: AutoModelForCausalLM.from_pretrained(out_dir / role, dtype=torch.float32).eval()
 
 
-def heldout_windows(heldout_ds: StreamDataset) -> torch.Tensor:
-    """The held-out contexts every manifest diagnostic reads (fixed seed) # [128, 96]."""
-    n, width = HELDOUT_WINDOWS
-    return heldout_ds.sample(n, torch.Generator().manual_seed(99)).input_ids[:, :width]
+def heldout_windows(heldout_ds: StreamDataset, n: int = HELDOUT_WINDOWS[0]) -> torch.Tensor:
+    """The held-out contexts every manifest diagnostic reads (fixed seed) # [n, 96]."""
+    return heldout_ds.sample(n, torch.Generator().manual_seed(99)).input_ids[:, :HELDOUT_WINDOWS[1]]
 
 
 def make_model(role: str, tokenizer, dtype=torch.float32):
@@ -117,9 +117,10 @@ def save_bf16(model, tokenizer, out: Path) -> None:
         b.data = buffers[name]
 
 
-def heldout_diagnostics(proposer, verifier, heldout_ds: StreamDataset, mask_token_id: int) -> dict:
+def heldout_diagnostics(proposer, verifier, heldout_ds: StreamDataset, mask_token_id: int,
+                        num_windows: int = HELDOUT_WINDOWS[0]) -> dict:
     """The manifest's held-out numbers of a proposer / verifier pair (fp32 forward passes)."""
-    windows = heldout_windows(heldout_ds)
+    windows = heldout_windows(heldout_ds, num_windows)
     match = {b: block_match(proposer, windows, b, mask_token_id) for b in (4, BLOCK_SIZE, 16)}
     return {"heldout_loss": {"proposer": round(heldout_loss(proposer, heldout_ds), 4),
                              "verifier": round(heldout_loss(verifier, heldout_ds), 4)},
@@ -191,15 +192,17 @@ def build_drafter(out_dir: Path = ZOO_DIR, seed: int = 0, resume: bool = False, 
     save_bf16(drafter, tok, out_dir / "drafter")
     manifest = json.loads((out_dir / "manifest.json").read_text())
     manifest["models"]["drafter"] = _model_entry("drafter", drafter)
-    manifest["drafter_match"] = _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id)
+    manifest["drafter_match"] = _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id, steps["heldout_windows"])
     manifest["training"]["drafter"] = {k: log[k] for k in ("step", "loss", "tokens", "seconds", "tokens_per_s")}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
-def _drafter_diag(proposer, drafter, heldout_ds: StreamDataset, mask_token_id: int) -> dict:
-    m = drafter_match(proposer, drafter, heldout_windows(heldout_ds), DRAFTER_GAMMA, DRAFTER_STEPS, mask_token_id)
+def _drafter_diag(proposer, drafter, heldout_ds: StreamDataset, mask_token_id: int,
+                  num_windows: int = HELDOUT_WINDOWS[0]) -> dict:
+    windows = heldout_windows(heldout_ds, num_windows)
+    m = drafter_match(proposer, drafter, windows, DRAFTER_GAMMA, DRAFTER_STEPS, mask_token_id)
     return {"gamma": DRAFTER_GAMMA, "steps": DRAFTER_STEPS, "strict_accepted": round(m["accepted"], 3),
             "rate": [round(x, 4) for x in m["rate"]]}
 
@@ -252,7 +255,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
     log["proposer_ar"] = train(proposer, train_ds, _stage({**base, "objective": "ar", "lr": 2.5e-3},
                                steps["proposer_ar"]), out_dir=work / "proposer_ar", desc="proposer AR", resume=resume)
     teacher = copy.deepcopy(proposer).eval()  # the AR model: what self-distillation starts from and keeps
-    windows = heldout_windows(heldout_ds)
+    windows = heldout_windows(heldout_ds, steps["heldout_windows"])
     agreement_contexts = [w.tolist() for w in windows[: steps["agreement_contexts"]]]
     log["proposer_ar"]["heldout_matching_prefix"] = round(block_match(proposer, windows, BLOCK_SIZE,
                                                                       tok.mask_token_id)["prefix"], 3)
@@ -289,7 +292,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
 
     prompts = corpus_mod.heldout_prompts(heldout_files, NUM_HELDOUT_PROMPTS, seed=seed)
     corpus_mod.write_jsonl(prompts, out_dir / "heldout_prompts.jsonl")
-    diag = heldout_diagnostics(proposer, verifier, heldout_ds, tok.mask_token_id)
+    diag = heldout_diagnostics(proposer, verifier, heldout_ds, tok.mask_token_id, steps["heldout_windows"])
     manifest = {
         "command": "vllm-prove zoo build" + ("" if scale == "full" else f" --scale {scale}"),
         "scale": scale,
@@ -308,7 +311,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
         "proposer_matching_prefix": diag["proposer_matching_prefix"],
         "greedy_agreement_with_ar_stage": greedy_agreement(
             teacher, proposer, agreement_contexts, DISTILL_NEW_TOKENS, tok.eos_token_id),
-        "drafter_match": _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id),
+        "drafter_match": _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id, steps["heldout_windows"]),
         "training": {k: {kk: v[kk] for kk in ("step", "loss", "tokens", "seconds", "tokens_per_s", "num_examples",
                                               "heldout_matching_prefix", "heldout_loss", "eval") if kk in v}
                      for k, v in log.items()},

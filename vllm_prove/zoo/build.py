@@ -117,10 +117,10 @@ def save_bf16(model, tokenizer, out: Path) -> None:
         b.data = buffers[name]
 
 
-def heldout_diagnostics(proposer, verifier, heldout_ds: StreamDataset, mask_token_id: int,
-                        num_windows: int = HELDOUT_WINDOWS[0]) -> dict:
-    """The manifest's held-out numbers of a proposer / verifier pair (fp32 forward passes)."""
-    windows = heldout_windows(heldout_ds, num_windows)
+def heldout_diagnostics(proposer, verifier, heldout_ds: StreamDataset, windows: torch.Tensor,
+                        mask_token_id: int) -> dict:
+    """The manifest's held-out numbers of a proposer / verifier pair on ``windows`` (``heldout_windows``)
+    and ``heldout_ds`` (fp32 forward passes)."""
     match = {b: block_match(proposer, windows, b, mask_token_id) for b in (4, BLOCK_SIZE, 16)}
     return {"heldout_loss": {"proposer": round(heldout_loss(proposer, heldout_ds), 4),
                              "verifier": round(heldout_loss(verifier, heldout_ds), 4)},
@@ -150,13 +150,13 @@ def reevaluate_zoo(out_dir: Path = ZOO_DIR) -> dict:
     check_corpus(manifest, files)
     tok, load = open_zoo(out_dir)
     heldout_ds = corpus_stream(tok, corpus_mod.split(files)[1])
-    proposer = load("proposer")
-    diag = heldout_diagnostics(proposer, load("verifier"), heldout_ds, tok.mask_token_id)
+    proposer, windows = load("proposer"), heldout_windows(heldout_ds)
+    diag = heldout_diagnostics(proposer, load("verifier"), heldout_ds, windows, tok.mask_token_id)
     for role, loss in diag.pop("heldout_loss").items():
         manifest["models"][role]["heldout_loss"] = loss
     manifest.update(diag)
     if (out_dir / "drafter").exists():
-        manifest["drafter_match"] = _drafter_diag(proposer, load("drafter"), heldout_ds, tok.mask_token_id)
+        manifest["drafter_match"] = _drafter_diag(proposer, load("drafter"), windows, tok.mask_token_id)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -192,16 +192,15 @@ def build_drafter(out_dir: Path = ZOO_DIR, seed: int = 0, resume: bool = False, 
     save_bf16(drafter, tok, out_dir / "drafter")
     manifest = json.loads((out_dir / "manifest.json").read_text())
     manifest["models"]["drafter"] = _model_entry("drafter", drafter)
-    manifest["drafter_match"] = _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id, steps["heldout_windows"])
+    windows = heldout_windows(heldout_ds, steps["heldout_windows"])
+    manifest["drafter_match"] = _drafter_diag(proposer, drafter, windows, tok.mask_token_id)
     manifest["training"]["drafter"] = {k: log[k] for k in ("step", "loss", "tokens", "seconds", "tokens_per_s")}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
-def _drafter_diag(proposer, drafter, heldout_ds: StreamDataset, mask_token_id: int,
-                  num_windows: int = HELDOUT_WINDOWS[0]) -> dict:
-    windows = heldout_windows(heldout_ds, num_windows)
+def _drafter_diag(proposer, drafter, windows: torch.Tensor, mask_token_id: int) -> dict:
     m = drafter_match(proposer, drafter, windows, DRAFTER_GAMMA, DRAFTER_STEPS, mask_token_id)
     return {"gamma": DRAFTER_GAMMA, "steps": DRAFTER_STEPS, "strict_accepted": round(m["accepted"], 3),
             "rate": [round(x, 4) for x in m["rate"]]}
@@ -292,7 +291,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
 
     prompts = corpus_mod.heldout_prompts(heldout_files, NUM_HELDOUT_PROMPTS, seed=seed)
     corpus_mod.write_jsonl(prompts, out_dir / "heldout_prompts.jsonl")
-    diag = heldout_diagnostics(proposer, verifier, heldout_ds, tok.mask_token_id, steps["heldout_windows"])
+    diag = heldout_diagnostics(proposer, verifier, heldout_ds, windows, tok.mask_token_id)
     manifest = {
         "command": "vllm-prove zoo build" + ("" if scale == "full" else f" --scale {scale}"),
         "scale": scale,
@@ -311,7 +310,7 @@ def build_zoo(out_dir: Path = ZOO_DIR, scale: str = "full", seed: int = 0, resum
         "proposer_matching_prefix": diag["proposer_matching_prefix"],
         "greedy_agreement_with_ar_stage": greedy_agreement(
             teacher, proposer, agreement_contexts, DISTILL_NEW_TOKENS, tok.eos_token_id),
-        "drafter_match": _drafter_diag(proposer, drafter, heldout_ds, tok.mask_token_id, steps["heldout_windows"]),
+        "drafter_match": _drafter_diag(proposer, drafter, windows, tok.mask_token_id),
         "training": {k: {kk: v[kk] for kk in ("step", "loss", "tokens", "seconds", "tokens_per_s", "num_examples",
                                               "heldout_matching_prefix", "heldout_loss", "eval") if kk in v}
                      for k, v in log.items()},
